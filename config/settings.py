@@ -1,0 +1,101 @@
+"""All of pagedq's settings in one pydantic-settings model.
+
+Values come from (highest first): keyword arguments, ``PAGEDQ_*`` environment
+variables, a TOML file (``PAGEDQ_CONFIG_FILE`` or ``./pagedq.toml``), defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """'2GiB' -> 2147483648; plain integers pass through."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB or a number of bytes)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _default_state_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedq"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="ignore")
+
+    # --- where things live -------------------------------------------------
+    state_dir: Path = Field(default_factory=_default_state_dir,
+                            description="embedded Redis data, converted models, logs")
+    broker_url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server")
+    key_prefix: str = "pagedq:"
+    queue_prefix: str = "pagedq."
+
+    # --- model -------------------------------------------------------------
+    model: str = DEFAULT_MODEL
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "auto"
+    max_model_len: int | None = None
+
+    # --- engine ------------------------------------------------------------
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_memory: int = Field(2 << 30, description="bytes of KV cache (accepts '2GiB')")
+    num_kv_blocks: int | None = Field(None, ge=2, description="overrides kv_cache_memory")
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=16)
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default = all cores")
+
+    # --- pipeline ----------------------------------------------------------
+    result_ttl_s: int = Field(24 * 3600, ge=1)
+    default_priority: int = Field(5, ge=0, le=9)
+    worker_max_inflight: int = Field(256, ge=1, description="generate tasks one GPU worker holds at once")
+    result_cache: bool = True
+    result_cache_ttl_s: int = Field(3600, ge=1)
+    result_cache_max_bytes: int = Field(64 << 20, ge=0)
+
+    @field_validator("kv_cache_memory", "result_cache_max_bytes", mode="before")
+    @classmethod
+    def _sizes(cls, value: int | str) -> int:
+        return parse_bytes(value)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_file = Path(os.environ.get("PAGEDQ_CONFIG_FILE", "pagedq.toml"))
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_file.is_file():
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
