@@ -1,0 +1,264 @@
+"""LLMEngine: requests in, tokens out, one continuous batch.
+
+``step()`` schedules, runs the model once, samples, and reports what each
+running request gained.  ``add_request`` and ``abort_request`` may be called
+from any thread; they take effect at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from pagedq.config import Settings, get_settings
+from pagedq.kernels import get_attention_backend
+from pagedq.workers.block_manager import BlockManager
+from pagedq.workers.detokenizer import decode_output
+from pagedq.workers.model import CausalLM, ModelConfig, load_weights
+from pagedq.workers.model_loader import resolve_model
+from pagedq.workers.model_runner import ModelRunner, kv_cache_block_bytes, pick_device
+from pagedq.workers.sampling_params import InvalidRequestError, SamplingParams
+from pagedq.workers.scheduler import Scheduler
+from pagedq.workers.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    num_prompt_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list[dict] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # includes recomputation after preemption
+    generated_tokens: int = 0
+    preemptions: int = 0
+    kv_slots_allocated: int = 0  # summed over steps: blocks held by running sequences x block size
+    kv_tokens_stored: int = 0  # summed over steps: tokens those blocks hold
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        """Share of allocated KV slots holding no token, averaged over steps."""
+        return 1 - self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(kv_waste_fraction=self.kv_waste_fraction, prefix_hit_rate=self.prefix_hit_rate)
+        return d
+
+
+def fingerprint_weights(weights: dict[str, torch.Tensor]) -> str:
+    """Hash of every weight's name, shape, dtype and bytes: different weights, different fingerprint."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(weights):
+        t = weights[name].contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).reshape(-1).numpy().data)
+    return h.hexdigest()
+
+
+class LLMEngine:
+    def __init__(self, settings: Settings | None = None, model: str | None = None) -> None:
+        s = self.settings = settings or get_settings()
+        if s.num_threads:
+            torch.set_num_threads(s.num_threads)
+        source = resolve_model(model or s.model, s.state_dir)
+        self.model_name = source.name
+        self.model_path = source.path
+        self.cfg = ModelConfig.from_folder(source.path)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(source.path)
+        self.device = pick_device(s.device)
+        self.dtype = getattr(torch, s.dtype)
+        self.max_model_len = min(s.max_model_len or self.cfg.max_position_embeddings,
+                                 self.cfg.max_position_embeddings, self.cfg.sliding_window or 1 << 30)
+        self.eos_token_ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._load(load_weights(source.path))
+        self._inbox: queue.Queue = queue.Queue()
+        self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self.lock = threading.Lock()  # held during a step; reload_weights takes it too
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        s = self.settings
+        self.fingerprint = fingerprint_weights(weights)
+        attention = get_attention_backend(s.attention_backend, self.device)
+        self.model = CausalLM(self.cfg, weights, device=self.device, dtype=self.dtype, attention=attention)
+        num_blocks = s.num_kv_blocks or s.kv_cache_memory // kv_cache_block_bytes(
+            self.cfg, len(self.model.layers), s.block_size, self.dtype)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory={s.kv_cache_memory} holds fewer than 2 blocks")
+        self.block_manager = BlockManager(num_blocks, s.block_size, s.enable_prefix_caching,
+                                          extra_key=f"{self.model_name}:{self.fingerprint}")
+        self.scheduler = Scheduler(self.block_manager, s.max_num_seqs, s.max_num_batched_tokens,
+                                   s.scheduling_policy)
+        self.runner = ModelRunner(self.model, num_blocks, s.block_size, self.device, self.dtype)
+        log.info("engine ready: %s (%s), %d KV blocks x %d tokens, attention=%s", self.model_name,
+                 self.fingerprint[:12], num_blocks, s.block_size, attention.name)
+
+    # --- requests ---------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request this engine cannot run."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the request needs "
+                f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} in max_tokens)")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if n + params.max_tokens > capacity:
+            raise InvalidRequestError(f"prompt + max_tokens = {n + params.max_tokens} tokens exceed the KV "
+                                      f"cache ({capacity} tokens); raise kv_cache_memory")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        self.validate(prompt_token_ids, params)
+        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params, priority)))
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        aborted = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return aborted
+            if kind == "add":
+                if item.request_id in self.requests:
+                    log.warning("request %s already in the engine; duplicate ignored", item.request_id)
+                    continue
+                self.requests[item.request_id] = item
+                self.scheduler.add(item)
+            elif kind == "abort" and item in self.requests:
+                seq = self.requests.pop(item)
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                aborted.append(self._output(seq, 0))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or not self._inbox.empty()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the step ---------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self.lock:
+            outputs = self._drain_inbox()
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return outputs
+            self._record_kv_usage(sched)
+            sampled_seqs, sampled = self.runner.execute(sched)
+            for seq, n in sched.scheduled:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self.stats.prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
+            for seq, token, logprob in zip(sampled_seqs, sampled.token_ids, sampled.logprobs, strict=True):
+                seq.token_ids.append(token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                self._check_stop(seq, token)
+                outputs.append(self._output(seq, 1))
+                if seq.is_finished:
+                    self.scheduler.remove(seq)
+                    del self.requests[seq.request_id]
+            self.stats.steps += 1
+            self.stats.generated_tokens += len(sampled_seqs)
+            self.stats.preemptions = self.scheduler.num_preemptions
+            self.stats.prefix_queries = self.block_manager.stats.queries
+            self.stats.prefix_hits = self.block_manager.stats.hits
+            return outputs
+
+    def _record_kv_usage(self, sched) -> None:
+        bs = self.block_manager.block_size
+        for seq in self.scheduler.running:
+            self.stats.kv_slots_allocated += len(seq.block_table) * bs
+        for seq, n in sched.scheduled:
+            self.stats.kv_tokens_stored += seq.num_computed_tokens + n
+        scheduled = {id(s) for s, _ in sched.scheduled}
+        self.stats.kv_tokens_stored += sum(s.num_computed_tokens for s in self.scheduler.running
+                                           if id(s) not in scheduled)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason, stop = None, None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop = "stop", token
+        elif p.stop and (matched := decode_output(self.tokenizer, seq.output_token_ids, p.stop)[1]):
+            reason, stop = "stop", matched
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop
+
+    def _output(self, seq: Sequence, num_new: int) -> RequestOutput:
+        new = seq.token_ids[-num_new:] if num_new else []
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens, finished=seq.is_finished, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_prompt_tokens,
+            new_logprobs=seq.logprobs[-num_new:] if num_new and seq.params.logprobs is not None else [],
+            num_preemptions=seq.num_preemptions)
+
+    # --- conveniences -----------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 priorities: list[int] | None = None, on_step=None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            self.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if on_step:
+                on_step(finished)
+        return [finished[rid] for rid in ids]
+
+    def reload_weights(self, path=None) -> str:
+        """Load weights again (same or new folder); drops the prefix cache. Returns the new fingerprint."""
+        with self.lock:
+            if self.requests:
+                raise RuntimeError("reload_weights needs an idle engine")
+            if path is not None:
+                self.model_path = path
+            self._load(load_weights(self.model_path))
+            return self.fingerprint

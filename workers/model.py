@@ -1,0 +1,217 @@
+"""pagedq's own Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+It reads Hugging Face weights directly; q/k/v and gate/up projections are
+fused into one matrix each so a layer is four matrix products.  A model can
+hold a contiguous range of layers only (a pipeline stage): the first stage
+embeds tokens, the last one normalises and computes logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pagedq.kernels import AttentionMetadata, paged_attention
+from safetensors.torch import load_file
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+
+    @classmethod
+    def from_folder(cls, path: Path) -> ModelConfig:
+        raw = json.loads((Path(path) / "config.json").read_text())
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = raw.get("eos_token_id")
+        gen_file = Path(path) / "generation_config.json"
+        if gen_file.is_file():
+            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        num_heads = raw["num_attention_heads"]
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads", num_heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            sliding_window=window,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale for the config's RoPE variant."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    kind, factor = scaling["rope_type"], scaling.get("factor", 1.0)
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen = old_len / scaling["low_freq_factor"]
+        high_wavelen = old_len / scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(cfg, scaling, inv_freq)
+    raise ValueError(f"RoPE scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(cfg: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    dim, base, factor = cfg.head_dim, cfg.rope_theta, scaling["factor"]
+    original = scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    attention_factor = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(scaling.get("beta_fast") or 32)), 0)
+    high = min(math.ceil(correction_dim(scaling.get("beta_slow") or 1)), dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3), 0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, attention_factor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same operation order as transformers' LlamaRMSNorm, so greedy tokens match it exactly.
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + k + v rows, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class CausalLM:
+    """A stack of decoder layers ``layer_range`` of the model, with embed/head on the ends."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_range: tuple[int, int] | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, attention=None) -> None:
+        self.cfg = cfg
+        self.first, self.last = layer_range or (0, cfg.num_layers)
+        self.is_first_stage = self.first == 0
+        self.is_last_stage = self.last == cfg.num_layers
+        self.attention = attention
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight") if self.is_first_stage or cfg.tie_word_embeddings else None
+        if self.is_last_stage:
+            self.norm = w("model.norm.weight")
+            self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.layers = [self._load_layer(w, weights, i) for i in range(self.first, self.last)]
+        inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.rope_scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * self.rope_scale).to(device=device, dtype=dtype)
+
+    def _load_layer(self, w, weights: dict[str, torch.Tensor], i: int) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        bias = None
+        if self.cfg.attention_bias:
+            bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        return DecoderLayer(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv_bias=bias,
+            o_proj=w(p + "self_attn.o_proj.weight"),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+            down=w(p + "mlp.down_proj.weight"),
+        )
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run this stage's layers over ``hidden [num_tokens, hidden_size]``."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = hidden + self._attention(layer, rms_norm(hidden, layer.input_norm, self.cfg.rms_norm_eps),
+                                              cos, sin, meta, k_cache, v_cache)
+            h = rms_norm(hidden, layer.post_norm, self.cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return hidden
+
+    def _attention(self, layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        cfg, n = self.cfg, h.shape[0]
+        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        out = paged_attention(self.attention, q, k, v, k_cache, v_cache, meta, self.scale)
+        return F.linear(out.reshape(n, self.q_size), layer.o_proj)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
