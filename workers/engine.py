@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from pagedq.config import Settings, get_settings
 from pagedq.kernels import get_attention_backend
 from pagedq.workers.block_manager import BlockManager
@@ -39,7 +40,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    new_logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # every generated token's, when asked for
     num_preemptions: int = 0
 
 
@@ -233,7 +234,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
             num_prompt_tokens=seq.num_prompt_tokens, finished=seq.is_finished, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_prompt_tokens,
-            new_logprobs=seq.logprobs[-num_new:] if num_new and seq.params.logprobs is not None else [],
+            logprobs=list(seq.logprobs),
             num_preemptions=seq.num_preemptions)
 
     # --- conveniences -----------------------------------------------------

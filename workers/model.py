@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pagedq.kernels import AttentionMetadata, paged_attention
 from safetensors.torch import load_file
+
+from pagedq.kernels import AttentionMetadata, paged_attention
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+
 from pagedq.kernels import AttentionMetadata
 from pagedq.workers.model import CausalLM, ModelConfig
 from pagedq.workers.sampler import SamplerOutput, sample

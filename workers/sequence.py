@@ -6,6 +6,7 @@ import itertools
 from enum import Enum
 
 import torch
+
 from pagedq.workers.sampling_params import SamplingParams
 
 _arrivals = itertools.count()

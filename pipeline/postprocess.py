@@ -1,0 +1,98 @@
+"""Engine output to OpenAI-shaped completion objects and Batch output lines."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pagedq.workers.detokenizer import decode_output
+
+
+@dataclass
+class Completion:
+    """Everything the result consumer needs; travels as JSON on the results queue."""
+
+    request_id: str
+    kind: str  # "chat" | "text"
+    model: str
+    output_token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)  # per token: {"token": [id, lp], "top": [[id, lp], ...]}
+    stop: list[str] = field(default_factory=list)
+    want_logprobs: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _token_str(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _chat_logprobs(tokenizer, items: list[dict]) -> dict:
+    content = []
+    for item in items:
+        tid, lp = item["token"]
+        tok = _token_str(tokenizer, tid)
+        top = [{"token": _token_str(tokenizer, t), "logprob": v, "bytes": list(_token_str(tokenizer, t).encode())}
+               for t, v in item["top"]]
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _text_logprobs(tokenizer, items: list[dict]) -> dict:
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for item in items:
+        tid, lp = item["token"]
+        tok = _token_str(tokenizer, tid)
+        tokens.append(tok)
+        lps.append(lp)
+        tops.append({_token_str(tokenizer, t): v for t, v in item["top"]})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def build_response(c: Completion, tokenizer) -> dict:
+    """The chat.completion or text_completion object for a finished request."""
+    text, matched = decode_output(tokenizer, c.output_token_ids, c.stop)
+    finish = c.finish_reason
+    if matched is not None:  # the engine stops at a stop string; the text ends before it
+        finish = "stop"
+    logprobs = None
+    if c.want_logprobs is not None:
+        logprobs = (_chat_logprobs if c.kind == "chat" else _text_logprobs)(tokenizer, c.logprobs)
+    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": matched if matched is not None else c.stop_reason}
+    if c.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice["text"] = text
+        obj, prefix = "text_completion", "cmpl-"
+    completion_tokens = len(c.output_token_ids)
+    return {
+        "id": prefix + c.request_id,
+        "object": obj,
+        "created": c.created,
+        "model": c.model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": c.num_prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": c.num_prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": c.num_cached_tokens}},
+    }
+
+
+def batch_output_line(custom_id: str | None, body: dict | None = None, error: Exception | None = None) -> dict:
+    """An OpenAI Batch output line: a 200 response with ``body``, or a 400 naming the error."""
+    request_id = f"req_{uuid.uuid4().hex}"
+    if error is None:
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+                "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+    detail = {"message": str(error), "type": "invalid_request_error",
+              "param": getattr(error, "param", None), "code": getattr(error, "code", "invalid_request_error")}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": 400, "request_id": request_id, "body": {"error": detail}},
+            "error": {"code": detail["code"], "message": detail["message"]}}

@@ -1,0 +1,161 @@
+"""Request shapes (OpenAI-compatible), validated before anything is queued.
+
+A bad request raises ``pydantic.ValidationError`` (or ``RequestError``) whose
+message names the field.  ``to_sampling_params`` maps a valid request onto
+the engine's ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pagedq.workers.sampling_params import SamplingParams
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+DEFAULT_MAX_TOKENS = 256
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; ``param`` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.custom_id: str | None = None  # set for errors about a batch line
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text requests (OpenAI names, plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: int = -1
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+    stream: bool = False
+    user: str | None = None
+    priority: Annotated[int, Field(ge=0, le=9)] = 5
+    use_result_cache: bool = True  # opt out of the result cache
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and (len(stops) > 16 or any(not s for s in stops)):
+            raise ValueError("stop takes at most 16 non-empty strings")
+        return stops
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: Literal[False] = False
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+AnyRequest = ChatCompletionRequest | CompletionRequest
+
+
+def to_sampling_params(req: AnyRequest) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop or [],
+        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs)
+
+
+def parse_request(url: str, body: Any) -> AnyRequest:
+    """Validate a request body for an endpoint; raises RequestError naming the problem."""
+    kinds = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
+    if url not in kinds:
+        raise RequestError(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, not {url!r}", "url")
+    if not isinstance(body, dict):
+        raise RequestError("body must be a JSON object", "body")
+    try:
+        return kinds[url].model_validate(body)
+    except ValidationError as e:
+        raise validation_to_request_error(e) from None
+
+
+def validation_to_request_error(e: ValidationError) -> RequestError:
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str")))
+    message = err["msg"].removeprefix("Value error, ")
+    return RequestError(f"{field or 'request'}: {message}", field or None)
+
+
+class BatchLine(BaseModel):
+    """One line of an OpenAI Batch input file."""
+
+    model_config = ConfigDict(extra="forbid")
+    custom_id: Annotated[str, Field(min_length=1)]
+    method: Literal["POST"] = "POST"
+    url: str
+    body: dict
+
+
+def parse_batch_line(line: str) -> tuple[str | None, AnyRequest, str]:
+    """(custom_id, request, url); raises RequestError. The custom_id is recovered when it can be."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"line is not valid JSON: {e.msg} at column {e.colno}", "line") from None
+    custom_id = raw.get("custom_id") if isinstance(raw, dict) else None
+    try:
+        item = BatchLine.model_validate(raw)
+    except ValidationError as e:
+        err = validation_to_request_error(e)
+        err.custom_id = custom_id if isinstance(custom_id, str) else None
+        raise err from None
+    try:
+        return item.custom_id, parse_request(item.url, item.body), item.url
+    except RequestError as err:
+        err.custom_id = item.custom_id
+        raise

@@ -1,0 +1,132 @@
+"""Offline throughput, vLLM's method: pagedq's engine vs Hugging Face `generate` with static batches.
+
+ShareGPT sampled with a fixed seed; prompt = first human turn, chat-templated;
+output length = token length of the first reply, capped; ignore_eos; all
+requests submitted at once.  Both sides run in this one process, one after
+the other, so the ratio is measured under the same conditions.
+
+    python scripts/bench_throughput.py                      # 200 requests, both sides
+    python scripts/bench_throughput.py --hf-requests 64     # shorter HF side, for a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedq.config import Settings
+from pagedq.pipeline.sharegpt import BenchRequest, sample_requests
+from pagedq.workers.engine import LLMEngine
+from pagedq.workers.sampling_params import SamplingParams
+
+
+@dataclass
+class Result:
+    name: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    extra: str = ""
+
+    def row(self) -> str:
+        r = self.num_requests / self.seconds
+        o = self.output_tokens / self.seconds
+        t = (self.prompt_tokens + self.output_tokens) / self.seconds
+        return f"| {self.name} | {self.num_requests} | {self.seconds:.1f} | {r:.2f} | {o:.1f} | {t:.1f} | {self.extra} |"
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def params_for(req: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=req.output_len, temperature=0, ignore_eos=True)
+
+
+def run_engine(settings: Settings, requests: list[BenchRequest], name: str = "pagedq engine") -> Result:
+    engine = LLMEngine(settings)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    engine.stats.__init__()
+    start = time.perf_counter()
+    outs = engine.generate([r.prompt_token_ids for r in requests], [params_for(r) for r in requests])
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.output_token_ids) for o in outs)
+    assert produced == sum(r.output_len for r in requests), "engine produced the wrong number of tokens"
+    st = engine.stats
+    extra = (f"steps={st.steps} preemptions={st.preemptions} kv_waste={st.kv_waste_fraction:.1%} "
+             f"prefix_hit={st.prefix_hit_rate:.1%}")
+    return Result(name, len(requests), sum(len(r.prompt_token_ids) for r in requests), produced, seconds, extra)
+
+
+def run_hf(model_path, tokenizer, requests: list[BenchRequest], batch_size: int) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = time.perf_counter()
+    produced = 0
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+        new = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=pad)
+        produced += sum(min(r.output_len, out.shape[1] - width) for r in batch)
+    seconds = time.perf_counter() - start
+    return Result(f"HF generate (static batch {batch_size})", len(requests),
+                  sum(len(r.prompt_token_ids) for r in requests), produced, seconds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-prompt-len", type=int, default=512)
+    ap.add_argument("--max-output-len", type=int, default=128)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--hf-requests", type=int, default=None, help="run HF on only the first N requests")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    settings = Settings()
+    engine_probe = LLMEngine(settings)  # resolves/converts the model once
+    tokenizer, model_path = engine_probe.tokenizer, engine_probe.model_path
+    del engine_probe
+    gc.collect()
+    requests = sample_requests(tokenizer, args.num_requests, args.seed, args.max_prompt_len, args.max_output_len)
+    print(f"{len(requests)} requests: {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.output_len for r in requests)} output tokens; torch threads={torch.get_num_threads()}",
+          flush=True)
+
+    results = [run_engine(settings, requests)]
+    print(results[-1].row(), flush=True)
+    gc.collect()
+    if not args.skip_hf:
+        hf_reqs = requests[: args.hf_requests] if args.hf_requests else requests
+        results.append(run_hf(model_path, tokenizer, hf_reqs, args.hf_batch_size))
+        print(results[-1].row(), flush=True)
+
+    print("\n| system | requests | seconds | requests/s | output tok/s | total tok/s | notes |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(r.row())
+    if len(results) > 1:
+        print(f"\noutput tok/s ratio, pagedq engine / HF static batching: {results[0].output_tps / results[-1].output_tps:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
