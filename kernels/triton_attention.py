@@ -23,6 +23,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from pagedq.kernels.metadata import AttentionMetadata
 
 LOG2E = math.log2(math.e)
@@ -71,25 +72,36 @@ def _paged_offsets(table_row_ptr, pos, valid, kv_head, stride_cache_block, strid
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in fp32; UPCAST works around the interpreter's bf16 dot (see ``_launch_dot``)."""
+    if UPCAST:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        result = tl.dot(a, b, input_precision=PRECISION)
+    return result
+
+
+@triton.jit
 def _decode_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    qk_scale, num_partitions,
+    qk_scale, partition_size, num_partitions,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table_seq,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """One program: one sequence, one kv head (all its query heads), one context partition."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = part * PARTITION
+    start = part * partition_size
     if start >= context_len:  # this sequence is shorter than the longest one
         return
-    end = tl.minimum(start + PARTITION, context_len)
+    end = tl.minimum(start + partition_size, context_len)
 
     rows = tl.arange(0, GROUP_PAD)  # padded up to what tl.dot accepts; extra rows are dropped
     heads = kv_head * GROUP + rows
@@ -113,13 +125,13 @@ def _decode_kernel(
         # Masked loads read 0, never the slot: stale or NaN cache contents must not leak in through 0 * NaN.
         k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -138,16 +150,15 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr,
-    num_partitions, stride_o_seq, stride_o_head,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr,
+    partition_size, num_partitions, stride_o_seq, stride_o_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):
     """Combine a (sequence, head)'s partitions: weight each by its softmax mass."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
     parts = tl.arange(0, PARTS_PAD)
-    part_mask = parts < tl.cdiv(context_len, PARTITION)  # partitions past the end were never written
+    part_mask = parts < tl.cdiv(context_len, partition_size)  # partitions past the end were never written
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_DIM
     idx = (seq * NUM_HEADS + head) * num_partitions + parts
@@ -168,7 +179,7 @@ def _prefill_kernel(
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one sequence, one query head."""
     seq = tl.program_id(0)
@@ -204,13 +215,13 @@ def _prefill_kernel(
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -225,9 +236,16 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(triton.next_power_of_2(n), at_least)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # tl.dot on fp32 would default to tf32 on GPUs (~1e-3 error); the 1e-5 contract needs full fp32.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _launch_dot(dtype: torch.dtype) -> dict[str, object]:
+    """The kernels' tl.dot settings for inputs of ``dtype``.
+
+    fp32 would default to tf32 on GPUs (~1e-3 error); the 1e-5 contract needs full fp32.
+    The interpreter (Triton 3.9) keeps bf16 as raw uint16 and multiplies those bits in
+    tl.dot, so there bf16 operands are widened first; products of bf16 are exact in
+    fp32, so this computes what the GPU's bf16 dot does.
+    """
+    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+            "DOT_UPCAST": dtype == torch.bfloat16 and is_interpreted()}
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -259,7 +277,8 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """Context tokens per program.  A partition covers the longest context unless that leaves the GPU
     idle: long contexts are cut into DECODE_PARTITION-token pieces, halved while there are fewer
-    programs than two per multiprocessor.  Contexts up to DECODE_PARTITION tokens always use one."""
+    programs than two per multiprocessor (down to DECODE_MIN_PARTITION).  Contexts up to
+    DECODE_PARTITION tokens always use one."""
     if max_context_len <= DECODE_PARTITION:
         return max(max_context_len, 1)
     size = DECODE_PARTITION
@@ -280,8 +299,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             partition_size: int | None = None) -> torch.Tensor:
     """One query token per sequence: ``q [num_seqs, heads, head_dim]`` -> same shape.
 
-    ``max_context_len`` saves a device sync when the caller knows it; ``partition_size`` (a multiple of
-    DECODE_BLOCK_N) overrides the split-K choice.
+    ``max_context_len`` saves a device sync when the caller knows it; ``partition_size`` (context
+    tokens per program) overrides the split-K choice of ``decode_partition_size``.
     """
     _check_cache(k_cache, v_cache)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -310,20 +329,20 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out, part_out, part_max, part_sum,
         q, k_cache, v_cache, block_tables, context_lens,
-        scale * LOG2E, num_partitions,
+        scale * LOG2E, partition_size, num_partitions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_pow2(group, 16),
         HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_BLOCK_N, PARTITION=partition_size, SPLIT=split,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+        BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
+        **_launch_dot(q.dtype), num_warps=4,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, context_lens,
-            num_partitions, out.stride(0), out.stride(1),
+            partition_size, num_partitions, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim),
-            PARTITION=partition_size, PARTS_PAD=_pow2(num_partitions), num_warps=4,
+            PARTS_PAD=_pow2(num_partitions), num_warps=4,
         )
     return out
 
@@ -355,7 +374,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, **_launch_dot(q.dtype), num_warps=4,
     )
     return out
 
