@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from pagedq.kernels import reference
 from pagedq.kernels.metadata import AttentionMetadata
 
