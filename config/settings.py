@@ -75,10 +75,22 @@ class Settings(BaseSettings):
     result_cache_ttl_s: int = Field(3600, ge=1)
     result_cache_max_bytes: int = Field(64 << 20, ge=0)
 
+    # --- queue ---------------------------------------------------------------
+    redis_dir: Path | None = Field(None, description="embedded redis-server's data (AOF); default state_dir/redis")
+    visibility_timeout_s: int = Field(
+        3600, ge=1, description="a job a worker took but never acked (worker killed) is redelivered after this")
+    cpu_worker_concurrency: int = Field(1, ge=1, description="threads of a CPU (preprocess/postprocess) worker")
+    progress_interval_s: float = Field(2.0, gt=0, description="how often a GPU worker reports tokens so far")
+    model_wait_s: float = Field(600, ge=0, description="how long preprocess waits for a worker to serve a model")
+
     @field_validator("kv_cache_memory", "result_cache_max_bytes", mode="before")
     @classmethod
     def _sizes(cls, value: int | str) -> int:
         return parse_bytes(value)
+
+    @property
+    def redis_data_dir(self) -> Path:
+        return self.redis_dir or self.state_dir / "redis"
 
     @classmethod
     def settings_customise_sources(

@@ -1,0 +1,6 @@
+"""Requests in, results out: the producer (Client), preprocess/postprocess, batch runs."""
+
+from pagedq.pipeline.client import BatchStatus, Client, JobFailedError, JobNotFoundError, JobStatus
+from pagedq.pipeline.protocol import RequestError
+
+__all__ = ["BatchStatus", "Client", "JobFailedError", "JobNotFoundError", "JobStatus", "RequestError"]

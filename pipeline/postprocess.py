@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from dataclasses import dataclass, field
 
+from pagedq.config.messages import Completion
 from pagedq.workers.detokenizer import decode_output
 
-
-@dataclass
-class Completion:
-    """Everything the result consumer needs; travels as JSON on the results queue."""
-
-    request_id: str
-    kind: str  # "chat" | "text"
-    model: str
-    output_token_ids: list[int]
-    num_prompt_tokens: int
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    logprobs: list[dict] = field(default_factory=list)  # per token: {"token": [id, lp], "top": [[id, lp], ...]}
-    stop: list[str] = field(default_factory=list)
-    want_logprobs: int | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
+__all__ = ["Completion", "batch_output_line", "build_response"]
 
 
 def _token_str(tokenizer, token_id: int) -> str:

@@ -7,6 +7,13 @@ the other, so the ratio is measured under the same conditions.
 
     python scripts/bench_throughput.py                      # 200 requests, both sides
     python scripts/bench_throughput.py --hf-requests 64     # shorter HF side, for a quick look
+    python scripts/bench_throughput.py --via-queue          # offline engine vs the full queue pipeline
+
+``--via-queue`` runs the same requests through the whole pipeline instead of HF:
+an embedded redis-server, a GPU worker and a CPU worker as separate processes,
+the Python producer submitting them all at once as chat requests (preprocess
+tokenizes and templates them, postprocess builds the completions), timed from
+the first submit until the last result is published.
 """
 
 from __future__ import annotations
@@ -64,6 +71,35 @@ def run_engine(settings: Settings, requests: list[BenchRequest], name: str = "pa
     return Result(name, len(requests), sum(len(r.prompt_token_ids) for r in requests), produced, seconds, extra)
 
 
+def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
+    import tempfile
+    from pathlib import Path
+
+    from pagedq.pipeline.client import Client
+    from pagedq.pipeline.stack import Stack
+
+    scratch = Path(tempfile.mkdtemp(prefix="pagedq-bench-"))
+    if not settings.broker_url:  # a fresh embedded Redis, not the user's
+        settings = settings.model_copy(update={"redis_dir": scratch / "redis"})
+    with Stack(settings, log_dir=scratch / "logs", loglevel="WARNING") as stack, Client(settings, stack.url) as client:
+        client.result(client.submit(prompt="warm-up", max_tokens=2, temperature=0), timeout=120)
+        lines = [{"custom_id": str(i), "url": "/v1/chat/completions",
+                  "body": {"messages": r.messages, "max_tokens": r.output_len, "temperature": 0, "ignore_eos": True}}
+                 for i, r in enumerate(requests)]
+        start = time.perf_counter()
+        batch = client.submit_batch(lines)
+        client.wait_batch(batch, poll_s=0.05)
+        seconds = time.perf_counter() - start
+        out = client.batch_results(batch)
+        stats = client.r.hgetall(client.names.worker(next(c.hostname for c in stack.children if c.role == "gpu")))
+    produced = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
+    assert produced == sum(r.output_len for r in requests), "the queue produced the wrong number of tokens"
+    prompt_tokens = sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
+    assert prompt_tokens == sum(len(r.prompt_token_ids) for r in requests), "preprocess tokenized differently"
+    extra = f"steps={int(stats['steps']) - 1} preemptions={stats['preemptions']} (redis + GPU worker + CPU worker)"
+    return Result("pagedq via queue", len(requests), prompt_tokens, produced, seconds, extra)
+
+
 def run_hf(model_path, tokenizer, requests: list[BenchRequest], batch_size: int) -> Result:
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +132,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--hf-requests", type=int, default=None, help="run HF on only the first N requests")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--via-queue", action="store_true",
+                    help="compare with the full queue pipeline (embedded Redis + worker processes) instead of HF")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -112,7 +150,10 @@ def main() -> None:
     results = [run_engine(settings, requests)]
     print(results[-1].row(), flush=True)
     gc.collect()
-    if not args.skip_hf:
+    if args.via_queue:
+        results.append(run_via_queue(settings, requests))
+        print(results[-1].row(), flush=True)
+    elif not args.skip_hf:
         hf_reqs = requests[: args.hf_requests] if args.hf_requests else requests
         results.append(run_hf(model_path, tokenizer, hf_reqs, args.hf_batch_size))
         print(results[-1].row(), flush=True)
@@ -121,7 +162,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(r.row())
-    if len(results) > 1:
+    if args.via_queue:
+        print(f"\noutput tok/s ratio, via queue / offline engine: {results[-1].output_tps / results[0].output_tps:.1%}")
+    elif len(results) > 1:
         print(f"\noutput tok/s ratio, pagedq engine / HF static batching: {results[0].output_tps / results[-1].output_tps:.2f}x")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,135 @@
+"""Every Redis key, channel and queue name pagedq uses, and the job states.
+
+Keys carry ``settings.key_prefix`` ("pagedq:"), queues ``settings.queue_prefix``
+("pagedq."), so two deployments can share one Redis.  Celery/kombu's own keys
+(queue lists, unacked messages, event and control channels) get the key
+prefix too, through kombu's ``global_keyprefix`` (see ``celery_app``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from pagedq.config.settings import Settings
+
+# Task names: producers send by name, so no process imports another's code.
+PREPROCESS_TASK = "pagedq.preprocess"
+GENERATE_TASK = "pagedq.generate"
+POSTPROCESS_TASK = "pagedq.postprocess"
+
+PRIORITY_STEPS = list(range(10))
+KOMBU_PRIORITY_SEP = "\x06\x16"  # kombu's default separator between a queue name and its priority
+
+
+class JobState(str, Enum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.EXPIRED})
+
+
+def broker_priority(priority: int) -> int:
+    """pagedq priority (0-9, 9 most urgent) -> kombu's Redis priority (0 is served first)."""
+    return 9 - priority
+
+
+def model_slug(model: str) -> str:
+    """A queue-name-safe form of a model name: 'HuggingFaceTB/SmolLM2-135M' -> 'huggingfacetb-smollm2-135m'."""
+    return re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-") or "model"
+
+
+@dataclass(frozen=True)
+class Names:
+    key_prefix: str = "pagedq:"
+    queue_prefix: str = "pagedq."
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Names:
+        return cls(settings.key_prefix, settings.queue_prefix)
+
+    # --- queues -------------------------------------------------------------
+    @property
+    def preprocess_queue(self) -> str:
+        return f"{self.queue_prefix}preprocess"
+
+    @property
+    def results_queue(self) -> str:
+        return f"{self.queue_prefix}results"
+
+    def generate_queue(self, model: str) -> str:
+        return f"{self.queue_prefix}generate.{model_slug(model)}"
+
+    @property
+    def default_queue(self) -> str:
+        return f"{self.queue_prefix}default"
+
+    @property
+    def event_exchange(self) -> str:
+        return f"{self.queue_prefix}events"
+
+    @property
+    def control_exchange(self) -> str:
+        return f"{self.queue_prefix}control"
+
+    def broker_list(self, queue: str, kombu_priority: int = 0) -> str:
+        """The Redis list kombu keeps a queue's messages of one priority in."""
+        suffix = f"{KOMBU_PRIORITY_SEP}{kombu_priority}" if kombu_priority else ""
+        return f"{self.key_prefix}{queue}{suffix}"
+
+    def broker_lists(self, queue: str) -> list[str]:
+        return [self.broker_list(queue, p) for p in PRIORITY_STEPS]
+
+    # --- jobs ---------------------------------------------------------------
+    def job(self, job_id: str) -> str:
+        """Hash: state, priority, timestamps, attempts, error, ..."""
+        return f"{self.key_prefix}job:{job_id}"
+
+    def result(self, job_id: str) -> str:
+        """String: the completion object (JSON), with a TTL."""
+        return f"{self.key_prefix}result:{job_id}"
+
+    def stream(self, job_id: str) -> str:
+        """Redis stream of a job's text deltas, ended by an 'end' entry."""
+        return f"{self.key_prefix}stream:{job_id}"
+
+    def done_channel(self, job_id: str) -> str:
+        """Pub/sub channel that hears the job's terminal state once."""
+        return f"{self.key_prefix}done:{job_id}"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: counts and timestamps of a batch."""
+        return f"{self.key_prefix}batch:{batch_id}"
+
+    def batch_jobs(self, batch_id: str) -> str:
+        """List: the batch's job ids in input order."""
+        return f"{self.key_prefix}batch:{batch_id}:jobs"
+
+    # --- workers and models ---------------------------------------------------
+    def model(self, model: str) -> str:
+        """Hash: a served model's name, fingerprint, max_model_len, vocab_size."""
+        return f"{self.key_prefix}model:{model_slug(model)}"
+
+    def worker(self, hostname: str) -> str:
+        """Hash with a short TTL: a live worker's role, pid, readiness and engine stats."""
+        return f"{self.key_prefix}worker:{hostname}"
+
+    @property
+    def worker_pattern(self) -> str:
+        return f"{self.key_prefix}worker:*"
+
+    @property
+    def control_channel(self) -> str:
+        """Pub/sub channel GPU workers listen on for cancel / stream requests."""
+        return f"{self.key_prefix}control"

@@ -1,0 +1,70 @@
+"""What the GPU workers serve, and which workers are alive, as recorded in Redis.
+
+A GPU worker registers its model (``names.model``) when it has loaded it;
+preprocess checks requests against that record (context length, vocabulary).
+Every worker keeps a short-lived hash (``names.worker``) with its role, pid,
+readiness and, for GPU workers, engine stats after every step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import redis
+
+from pagedq.config.names import Names
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    fingerprint: str
+    max_model_len: int
+    vocab_size: int
+    queue: str
+    updated_at: float = 0.0
+
+
+def register_model(r: redis.Redis, names: Names, info: ModelInfo) -> None:
+    info.updated_at = time.time()
+    r.hset(names.model(info.name), mapping=asdict(info))
+
+
+def lookup_model(r: redis.Redis, names: Names, model: str) -> ModelInfo | None:
+    raw = r.hgetall(names.model(model))
+    if not raw or raw.get("name") != model:
+        return None
+    return ModelInfo(name=raw["name"], fingerprint=raw["fingerprint"], max_model_len=int(raw["max_model_len"]),
+                     vocab_size=int(raw["vocab_size"]), queue=raw["queue"],
+                     updated_at=float(raw.get("updated_at", 0)))
+
+
+def live_workers(r: redis.Redis, names: Names) -> dict[str, dict[str, str]]:
+    """hostname -> the worker's record, for every worker whose record has not expired."""
+    keys = list(r.scan_iter(match=names.worker_pattern, count=100))
+    pipe = r.pipeline(transaction=False)
+    for key in keys:
+        pipe.hgetall(key)
+    prefix = names.worker("")
+    return {key[len(prefix):]: rec for key, rec in zip(keys, pipe.execute(), strict=True) if rec}
+
+
+class Heartbeat(threading.Thread):
+    """Keeps a worker's record alive (its TTL refreshed) while the process runs."""
+
+    def __init__(self, r: redis.Redis, key: str, fields: dict, ttl_s: int = 15) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.r, self.key, self.ttl_s = r, key, ttl_s
+        r.hset(key, mapping=fields)
+        r.expire(key, ttl_s)
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.ttl_s / 3)
+            try:
+                self.r.hset(self.key, "updated_at", time.time())
+                self.r.expire(self.key, self.ttl_s)
+            except redis.RedisError:
+                pass  # the broker is away; the record expires, and comes back with it

@@ -1,0 +1,384 @@
+"""The producer: submit requests, follow them, fetch results.
+
+    from pagedq.pipeline import Client
+    client = Client()                     # PAGEDQ_BROKER_URL, or the running `pagedq up`
+    job = client.submit([{"role": "user", "content": "Hi"}], max_tokens=32, priority=9)
+    client.status(job).state              # queued -> in_progress -> completed
+    client.result(job, timeout=60)        # the chat.completion object
+    for delta in client.stream(job): ...  # text as it is generated
+
+Requests are validated (pydantic, the same models as the batch path) before
+anything is written: a bad request raises ``RequestError`` naming the field,
+and no queue or key is touched.  Jobs are sent by task name to the preprocess
+queue, so producers never import worker code.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
+
+from pagedq.config import Settings, get_settings
+from pagedq.config.celery_app import make_celery
+from pagedq.config.jobstore import JobStore, now
+from pagedq.config.messages import PreprocessJob, to_json
+from pagedq.config.names import PREPROCESS_TASK, TERMINAL_STATES, JobState, Names, broker_priority
+from pagedq.config.redis_server import broker_url as find_broker_url
+from pagedq.config.redis_server import redis_client
+from pagedq.config.registry import lookup_model
+from pagedq.pipeline.postprocess import batch_output_line
+from pagedq.pipeline.preprocess import check_context
+from pagedq.pipeline.protocol import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    DEFAULT_MAX_TOKENS,
+    AnyRequest,
+    ChatCompletionRequest,
+    RequestError,
+    parse_batch_line,
+    parse_request,
+    to_sampling_params,
+)
+from pagedq.workers.sampling_params import InvalidRequestError
+
+_TERMINAL = {s.value for s in TERMINAL_STATES}
+
+
+class JobNotFoundError(KeyError):
+    pass
+
+
+class JobFailedError(RuntimeError):
+    """``result`` / ``stream`` of a job that ended failed, cancelled or expired."""
+
+    def __init__(self, status: JobStatus) -> None:
+        message = (status.error or {}).get("message") or status.state
+        super().__init__(f"job {status.id} {status.state}: {message}")
+        self.status = status
+
+
+@dataclass
+class JobStatus:
+    id: str
+    state: str
+    priority: int = 5
+    kind: str | None = None
+    model: str | None = None
+    created_at: float | None = None
+    started_at: float | None = None
+    completed_at: float | None = None
+    failed_at: float | None = None
+    cancelled_at: float | None = None
+    expired_at: float | None = None
+    attempts: int = 0
+    error: dict | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    worker: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    aborted_at_step: int | None = None
+
+    @classmethod
+    def from_record(cls, job_id: str, rec: dict[str, str]) -> JobStatus:
+        kwargs: dict = {"id": job_id}
+        for f in fields(cls):
+            raw = rec.get(f.name)
+            if f.name == "id" or raw is None or raw == "None":
+                continue
+            if f.name == "error":
+                kwargs[f.name] = json.loads(raw)
+            elif f.type in ("int", "int | None"):
+                kwargs[f.name] = int(float(raw))
+            elif f.type == "float | None":
+                kwargs[f.name] = float(raw)
+            else:
+                kwargs[f.name] = raw
+        return cls(**kwargs)
+
+    @property
+    def done(self) -> bool:
+        return self.state in _TERMINAL
+
+
+@dataclass
+class BatchStatus:
+    id: str
+    status: str  # in_progress | completed
+    total: int
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    created_at: float | None = None
+    completed_at: float | None = None
+    request_counts: dict = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.status == "completed"
+
+
+def _request_body(messages, prompt, fields_: dict) -> tuple[str, dict]:
+    if messages is not None and prompt is not None:
+        raise RequestError("give either messages (chat) or prompt (text completion), not both", "messages")
+    if messages is None and prompt is None:
+        raise RequestError("messages: required (or prompt, for a text completion)", "messages")
+    if messages is not None:
+        return CHAT_URL, {"messages": messages, **fields_}
+    return COMPLETIONS_URL, {"prompt": prompt, **fields_}
+
+
+class Client:
+    def __init__(self, settings: Settings | None = None, broker_url: str | None = None) -> None:
+        self.settings = settings or get_settings()
+        url = broker_url or find_broker_url(self.settings)
+        self.r = redis_client(url)
+        self.names = Names.from_settings(self.settings)
+        self.store = JobStore(self.r, self.names, self.settings.result_ttl_s)
+        self.app = make_celery(self.settings, url)
+
+    def close(self) -> None:
+        self.app.close()
+        self.r.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- submitting -----------------------------------------------------------
+    def submit(self, messages: list[dict] | None = None, *, prompt: str | list[int] | None = None,
+               priority: int | None = None, timeout_s: float | None = None, **fields_) -> str:
+        """Enqueue a chat (``messages``) or text (``prompt``) request; returns its job id at once.
+
+        ``fields_`` are OpenAI request fields (model, max_tokens, temperature, stop, seed, ...).
+        ``priority`` is 0-9, 9 most urgent (default ``settings.default_priority``).  A job not
+        started within ``timeout_s`` seconds ends 'expired'.
+        """
+        if priority is not None:
+            fields_["priority"] = priority
+        fields_.setdefault("priority", self.settings.default_priority)
+        url, body = _request_body(messages, prompt, fields_)
+        req = self.validate(url, body)
+        job_id = self._new_job_id()
+        self.r.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s))
+        try:
+            self._send(job_id, url, req)
+        except Exception:
+            self.r.delete(self.names.job(job_id))
+            raise
+        return job_id
+
+    def validate(self, url: str, body: dict) -> AnyRequest:
+        """The request, checked against the schema and the served model; raises RequestError."""
+        req = parse_request(url, body)
+        try:
+            params = to_sampling_params(req)
+        except InvalidRequestError as e:
+            raise RequestError(str(e)) from None
+        req.model = req.model or self.settings.model
+        info = lookup_model(self.r, self.names, req.model)
+        if info is None and req.model != self.settings.model:
+            raise RequestError(f"model: unknown model {req.model!r}; served: {self.served_models()}", "model",
+                               code="model_not_found")
+        if info is not None:
+            max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+            if max_tokens >= info.max_model_len:
+                raise RequestError(f"max_tokens: {max_tokens} leaves no room for a prompt in the model's "
+                                   f"{info.max_model_len}-token context", "max_tokens",
+                                   code="context_length_exceeded")
+            if not isinstance(req, ChatCompletionRequest) and isinstance(req.prompt, list):
+                check_context(req.prompt, params, info.max_model_len, info.vocab_size)
+        return req
+
+    def served_models(self) -> list[str]:
+        prefix = self.names.model("")
+        return sorted(self.r.hget(k, "name") or k[len(prefix):] for k in self.r.scan_iter(match=prefix + "*"))
+
+    def _new_job_id(self) -> str:
+        return uuid.uuid4().hex
+
+    def _job_record(self, req: AnyRequest, timeout_s: float | None, **extra) -> dict:
+        rec = {"state": JobState.QUEUED.value, "priority": req.priority, "model": req.model,
+               "kind": "chat" if isinstance(req, ChatCompletionRequest) else "text", "created_at": now(),
+               "attempts": 0, "stream": int(req.stream), **extra}
+        if timeout_s is not None:
+            rec["expires_at"] = now() + timeout_s
+        return rec
+
+    def _send(self, job_id: str, url: str, req: AnyRequest) -> None:
+        body = req.model_dump(mode="json", exclude_none=True)
+        self.app.send_task(PREPROCESS_TASK, args=[to_json(PreprocessJob(job_id, url, body))],
+                           queue=self.names.preprocess_queue, priority=broker_priority(req.priority))
+
+    # --- following jobs -------------------------------------------------------
+    def status(self, job_id: str) -> JobStatus:
+        rec = self.store.get(job_id)
+        if not rec:
+            raise JobNotFoundError(job_id)
+        return JobStatus.from_record(job_id, rec)
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobStatus:
+        """Block until the job is in a terminal state (pub/sub, with a polling fallback)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.r.pubsub(ignore_subscribe_messages=True) as ps:
+            ps.subscribe(self.names.done_channel(job_id))
+            while True:
+                status = self.status(job_id)
+                if status.done:
+                    return status
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(f"job {job_id} still {status.state} after {timeout} s")
+                ps.get_message(timeout=left)
+
+    def result(self, job_id: str, timeout: float | None = None) -> dict:
+        """The completion object; raises JobFailedError if the job failed, was cancelled or expired."""
+        status = self.wait(job_id, timeout)
+        if status.state != JobState.COMPLETED:
+            raise JobFailedError(status)
+        result = self.store.result(job_id)
+        if result is None:
+            raise JobNotFoundError(f"{job_id}: result expired")
+        return result
+
+    def cancel(self, job_id: str) -> JobStatus:
+        """Cancel a queued job at once, or a running one between two engine steps."""
+        previous = self.store.request_cancel(job_id)
+        if previous == "missing":
+            raise JobNotFoundError(job_id)
+        if previous == JobState.QUEUED:
+            self.store.finish(job_id, JobState.CANCELLED)
+        elif previous in (JobState.IN_PROGRESS, JobState.CANCELLING):
+            self.r.publish(self.names.control_channel, json.dumps({"op": "cancel", "job_id": job_id}))
+        return self.status(job_id)
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
+        """Yield the job's text as it is generated; the pieces join to the final text."""
+        key = self.names.stream(job_id)
+        if not self.r.exists(self.names.job(job_id)):
+            raise JobNotFoundError(job_id)
+        self.r.hset(self.names.job(job_id), "stream", 1)
+        self.r.publish(self.names.control_channel, json.dumps({"op": "stream", "job_id": job_id}))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sent, last = "", "0-0"
+        while not self.status(job_id).done:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still running after {timeout} s")
+            entries = self.r.xread({key: last}, count=256, block=1000) or []
+            ended = False
+            for _, items in entries:
+                for entry_id, item in items:
+                    last = entry_id
+                    if item.get("type") == "delta":
+                        sent += item["text"]
+                        yield item["text"]
+                    ended = ended or item.get("type") == "end"
+            if ended:
+                break
+        text = _text_of(self.result(job_id, timeout=5))
+        if text.startswith(sent) and len(text) > len(sent):
+            yield text[len(sent):]  # whatever was generated before streaming began
+
+    # --- batches --------------------------------------------------------------
+    def submit_batch(self, lines: Iterable[str | dict], priority: int | None = None,
+                     timeout_s: float | None = None) -> str:
+        """Enqueue an OpenAI Batch (JSONL lines or dicts); returns the batch id.
+
+        A bad line does not stop the batch: it becomes a failed job whose output line carries
+        the error, as in ``run-batch --offline``.
+        """
+        items = [self._parse_line(line, priority) for line in lines
+                 if not isinstance(line, str) or line.strip()]
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        bkey, jobs_key = self.names.batch(batch_id), self.names.batch_jobs(batch_id)
+        job_ids = [self._new_job_id() for _ in items]
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(bkey, mapping={"state": "in_progress", "total": len(items), "created_at": now(),
+                                 "jobs_key": jobs_key})
+        if job_ids:
+            pipe.rpush(jobs_key, *job_ids)
+        for job_id, (custom_id, req, _url, err) in zip(job_ids, items, strict=True):
+            extra = {"batch_id": batch_id, "batch_key": bkey, "custom_id": custom_id or ""}
+            if err is not None:
+                pipe.hset(self.names.job(job_id), mapping={"state": JobState.QUEUED.value, "created_at": now(),
+                                                           "attempts": 0, **extra})
+            else:
+                pipe.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s, **extra))
+        pipe.execute()
+        for job_id, (_, req, url, err) in zip(job_ids, items, strict=True):
+            if err is not None:
+                self.store.finish(job_id, JobState.FAILED, error={"message": str(err), "param": err.param,
+                                                                  "code": err.code})
+            else:
+                self._send(job_id, url, req)
+        if not items:
+            self.r.hset(bkey, mapping={"state": "completed", "completed_at": now()})
+        return batch_id
+
+    def _parse_line(self, line: str | dict, priority: int | None):
+        text = line if isinstance(line, str) else json.dumps(line)
+        custom_id = None
+        try:
+            custom_id, req, url = parse_batch_line(text)
+            body = req.model_dump(exclude_none=True)
+            if priority is not None:
+                body["priority"] = priority
+            return custom_id, self.validate(url, body), url, None
+        except RequestError as e:
+            return e.custom_id or custom_id, None, None, e
+
+    def batch_status(self, batch_id: str) -> BatchStatus:
+        rec = self.r.hgetall(self.names.batch(batch_id))
+        if not rec:
+            raise JobNotFoundError(batch_id)
+        counts = {k: int(rec.get(k, 0)) for k in ("completed", "failed", "cancelled", "expired")}
+        total = int(rec["total"])
+        return BatchStatus(batch_id, rec["state"], total, **counts,
+                           created_at=float(rec["created_at"]),
+                           completed_at=float(rec["completed_at"]) if "completed_at" in rec else None,
+                           request_counts={"total": total, "completed": counts["completed"],
+                                           "failed": total - counts["completed"] - _pending(rec, total)})
+
+    def wait_batch(self, batch_id: str, timeout: float | None = None, poll_s: float = 0.25) -> BatchStatus:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (status := self.batch_status(batch_id)).done:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"batch {batch_id} not done after {timeout} s")
+            time.sleep(poll_s)
+        return status
+
+    def batch_results(self, batch_id: str, timeout: float | None = None) -> list[dict]:
+        """OpenAI Batch output lines, in input order (waits for the batch to finish)."""
+        self.wait_batch(batch_id, timeout)
+        job_ids = self.r.lrange(self.names.batch_jobs(batch_id), 0, -1)
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.names.job(job_id))
+            pipe.get(self.names.result(job_id))
+        replies = pipe.execute()
+        return [_output_line(JobStatus.from_record(job_id, rec), raw)
+                for job_id, rec, raw in zip(job_ids, replies[::2], replies[1::2], strict=True)]
+
+
+def _pending(rec: dict, total: int) -> int:
+    return total - int(rec.get("done", 0))
+
+
+def _text_of(result: dict) -> str:
+    choice = result["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def _output_line(status: JobStatus, raw_result: str | None) -> dict:
+    custom_id = status.custom_id or None
+    if status.state == JobState.COMPLETED and raw_result:
+        return batch_output_line(custom_id, json.loads(raw_result))
+    err = status.error or {"message": f"request {status.state}", "param": None, "code": status.state}
+    return batch_output_line(custom_id, error=RequestError(err["message"], err.get("param"),
+                                                           code=err.get("code") or "invalid_request_error"))

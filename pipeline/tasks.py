@@ -1,0 +1,175 @@
+"""The CPU worker (``pagedq cpu-worker``): preprocess and postprocess tasks.
+
+- ``preprocess`` (queue ``pagedq.preprocess``): re-validates the request,
+  waits (by retrying) until a GPU worker has registered the model, applies the
+  chat template, tokenizes, checks the context length against the registered
+  model, and sends the job to ``pagedq.generate.<model>`` at the broker
+  priority of its pagedq priority.
+- ``postprocess`` (queue ``pagedq.results``), the result consumer:
+  detokenizes, applies stop strings, builds the chat / text completion object,
+  and publishes result + state in one atomic, once-only step.
+
+Both share ``preprocess.py`` / ``postprocess.py`` with the offline path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from dataclasses import asdict
+
+from celery import Celery
+from celery.exceptions import Reject
+
+from pagedq.config import Settings
+from pagedq.config.celery_app import make_celery, mark_ready_on_start
+from pagedq.config.jobstore import JobStore, error_dict
+from pagedq.config.messages import (
+    Completion,
+    GenerateJob,
+    MalformedMessageError,
+    PreprocessJob,
+    parse_message,
+    to_json,
+)
+from pagedq.config.names import (
+    GENERATE_TASK,
+    POSTPROCESS_TASK,
+    PREPROCESS_TASK,
+    JobState,
+    Names,
+    broker_priority,
+)
+from pagedq.config.redis_server import broker_url, redis_client
+from pagedq.config.registry import Heartbeat, lookup_model
+from pagedq.pipeline.postprocess import build_response
+from pagedq.pipeline.preprocess import check_context, render_prompt
+from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
+
+log = logging.getLogger(__name__)
+MODEL_WAIT_RETRY_S = 1.0
+
+
+class Tokenizers:
+    """Each model's tokenizer, loaded once per process from the model's local folder."""
+
+    def __init__(self, state_dir) -> None:
+        self.state_dir = state_dir
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, model: str):
+        with self._lock:
+            if model not in self._cache:
+                from transformers import AutoTokenizer
+
+                from pagedq.workers.model_loader import resolve_model
+
+                self._cache[model] = AutoTokenizer.from_pretrained(resolve_model(model, self.state_dir).path)
+            return self._cache[model]
+
+
+def parse_or_reject(cls, payload, task: str, task_id: str):
+    try:
+        return parse_message(cls, payload)
+    except MalformedMessageError as e:
+        log.error("%s task %s: dropped a malformed message: %s", task, task_id, e)
+        raise Reject(f"malformed message: {e}", requeue=False) from None
+
+
+class ModelNotServedError(LookupError):
+    pass
+
+
+def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> GenerateJob:
+    """The GenerateJob for a request; raises RequestError, or ModelNotServedError while no worker has it."""
+    req = parse_request(msg.url, msg.body)
+    if req.model is None:
+        raise RequestError("model: missing (the client fills it in)", "model")
+    info = lookup_model(r, names, req.model)
+    if info is None:
+        raise ModelNotServedError(req.model)
+    ids = render_prompt(tokenizers.get(req.model), req)
+    params = to_sampling_params(req)
+    check_context(ids, params, info.max_model_len, info.vocab_size)
+    kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
+    return GenerateJob(msg.job_id, req.model, kind, ids, asdict(params), req.priority, req.stream)
+
+
+def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, names: Names,
+                       tokenizers: Tokenizers) -> None:
+    max_model_waits = int(settings.model_wait_s / MODEL_WAIT_RETRY_S)
+
+    @app.task(name=PREPROCESS_TASK, bind=True, max_retries=None)
+    def preprocess(self, payload):
+        msg = parse_or_reject(PreprocessJob, payload, "preprocess", self.request.id)
+        verdict = store.admit(msg.job_id)
+        if verdict != "ok":
+            store.settle(msg.job_id, verdict)
+            return {"job_id": msg.job_id, "skipped": verdict}
+        try:
+            job = prepare(msg, r, names, tokenizers)
+        except ModelNotServedError as e:
+            if self.request.retries < max_model_waits:
+                raise self.retry(countdown=MODEL_WAIT_RETRY_S) from None
+            store.finish(msg.job_id, JobState.FAILED, error=error_dict(
+                f"model: no worker serves {e.args[0]!r}", "model", "model_not_found"))
+            return {"job_id": msg.job_id, "failed": "model_not_found"}
+        except RequestError as e:
+            store.finish(msg.job_id, JobState.FAILED, error=error_dict(str(e), e.param, e.code))
+            return {"job_id": msg.job_id, "failed": str(e)}
+        store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids))
+        self.app.send_task(GENERATE_TASK, args=[to_json(job)], queue=names.generate_queue(job.model),
+                           priority=broker_priority(job.priority))
+        return {"job_id": msg.job_id, "prompt_tokens": len(job.prompt_token_ids)}
+
+    @app.task(name=POSTPROCESS_TASK, bind=True)
+    def postprocess(self, payload):
+        c = parse_or_reject(Completion, payload, "postprocess", self.request.id)
+        body = build_response(c, tokenizers.get(c.model))
+        published = store.finish(c.request_id, JobState.COMPLETED, result=body)
+        if not published:
+            log.info("job %s: already final or unknown; result not published again", c.request_id)
+        return {"job_id": c.request_id, "published": published,
+                "finish_reason": body["choices"][0]["finish_reason"]}
+
+
+def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: str = "INFO") -> None:
+    url = broker_url(settings)
+    r = redis_client(url)
+    names = Names.from_settings(settings)
+    hostname = hostname or f"cpu.{os.getpid()}@{os.uname().nodename}"
+    app = make_celery(settings, url)
+    tokenizers = Tokenizers(settings.state_dir)
+    try:
+        tokenizers.get(settings.model)  # load the default model's tokenizer before taking work
+    except Exception as e:  # noqa: BLE001 - other models may still be served
+        log.warning("could not load the tokenizer of %s: %s", settings.model, e)
+    register_cpu_tasks(app, settings, r, JobStore(r, names, settings.result_ttl_s), names, tokenizers)
+    key = names.worker(hostname)
+    Heartbeat(r, key, {"role": "cpu", "pid": os.getpid(), "ready": 0}).start()
+    mark_ready_on_start(r, key)
+    # Results first: at equal priority, finishing a job beats starting another.
+    queues = f"{names.results_queue},{names.preprocess_queue}"
+    app.worker_main(["worker", "--pool", "threads", "--concurrency", str(settings.cpu_worker_concurrency),
+                     "--queues", queues, "--hostname", hostname, "--without-gossip", "--without-mingle",
+                     "--loglevel", loglevel])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hostname", help="Celery worker name (default cpu.<pid>@<host>)")
+    p.add_argument("--loglevel", default="INFO")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="pagedq cpu-worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    run_cpu_worker(Settings(), args.hostname, args.loglevel)
+
+
+if __name__ == "__main__":
+    main()

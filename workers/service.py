@@ -1,0 +1,208 @@
+"""One engine, stepped by a background thread, fed by many task threads.
+
+Each generate task ``submit``s its job and waits on its ``Handle``; the
+stepping thread runs ``engine.step()`` while anything is unfinished, so a job
+that arrives mid-batch joins at the next step.  ``cancel`` aborts a job
+between steps (its KV blocks are freed by the engine).  After every step the
+thread publishes the worker's engine stats to Redis and, for jobs someone is
+streaming, their new text as deltas on the job's Redis stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from pagedq.config.messages import GenerateJob
+from pagedq.config.names import Names
+from pagedq.workers.detokenizer import decode_output, stable_prefix
+from pagedq.workers.engine import LLMEngine, RequestOutput
+from pagedq.workers.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+WORKER_KEY_TTL_S = 15  # a worker's Redis record outlives it by at most this
+IDLE_PUBLISH_S = 2.0
+
+
+@dataclass
+class Handle:
+    job: GenerateJob
+    params: SamplingParams
+    task_id: str
+    done: threading.Event = field(default_factory=threading.Event)
+    output: RequestOutput | None = None  # the final output, once done
+    num_tokens: int = 0
+    stream: bool = False
+    streamed_chars: int = 0
+    cancel_requested: bool = False
+    requeue: bool = False  # aborted because the worker is shutting down
+    duplicate: bool = False  # the job is already running here under another task
+    finished_step: int | None = None
+    error: str | None = None
+
+
+class EngineService:
+    def __init__(self, engine: LLMEngine, client: redis.Redis, names: Names, hostname: str,
+                 stream_ttl_s: int = 3600) -> None:
+        self.engine = engine
+        self.stream_ttl_s = stream_ttl_s
+        self.r = client
+        self.names = names
+        self.hostname = hostname
+        self.handles: dict[str, Handle] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._last_publish = 0.0
+
+    # --- called from task / control threads --------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: GenerateJob, params: SamplingParams, task_id: str) -> Handle:
+        """Add a job to the engine (raises InvalidRequestError); the engine sees it at its next step."""
+        handle = Handle(job, params, task_id, stream=job.stream)
+        with self._lock:
+            if job.job_id in self.handles:  # a redelivered copy of a job this worker is running
+                handle.duplicate = True
+                handle.done.set()
+                return handle
+            if self._stopping.is_set():
+                handle.requeue = True
+                handle.done.set()
+                return handle
+            self.handles[job.job_id] = handle  # before the engine can produce output for it
+            try:
+                self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority)
+            except Exception:
+                del self.handles[job.job_id]
+                raise
+        self._wake.set()
+        return handle
+
+    def cancel(self, job_id: str) -> bool:
+        with self._lock:
+            handle = self.handles.get(job_id)
+            if handle is None or handle.cancel_requested:
+                return False
+            handle.cancel_requested = True
+            self.engine.abort_request(job_id)
+        self._wake.set()
+        log.info("cancelling %s (engine step %d)", job_id, self.engine.stats.steps)
+        return True
+
+    def enable_stream(self, job_id: str) -> None:
+        handle = self.handles.get(job_id)
+        if handle is not None:
+            handle.stream = True
+
+    def snapshot(self) -> list[Handle]:
+        with self._lock:
+            return list(self.handles.values())
+
+    def shutdown(self) -> None:
+        """Abort every job (their tasks requeue them) and stop stepping."""
+        with self._lock:
+            self._stopping.set()
+            for job_id, handle in self.handles.items():
+                handle.requeue = True
+                self.engine.abort_request(job_id)
+        self._wake.set()
+
+    # --- the stepping thread -------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                if self._stopping.is_set():
+                    self._release_all()
+                    return
+                self._publish_stats(force=time.monotonic() - self._last_publish > IDLE_PUBLISH_S)
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - one bad step must not kill the worker silently
+                log.exception("engine step failed; failing its requests")
+                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                continue
+            self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        streamed: list[tuple[Handle, RequestOutput]] = []
+        step = self.engine.stats.steps
+        for out in outputs:
+            handle = self.handles.get(out.request_id)
+            if handle is None:
+                continue
+            handle.num_tokens = len(out.output_token_ids)
+            if handle.stream:
+                streamed.append((handle, out))
+            if out.finished:
+                handle.output, handle.finished_step = out, step
+        pipe = self.r.pipeline(transaction=False)
+        for handle, out in streamed:
+            self._stream_delta(pipe, handle, out)
+        self._publish_stats(pipe=pipe, force=True)
+        try:
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("could not publish step stats / deltas: %s", e)
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
+
+    def _release(self, job_id: str) -> None:
+        with self._lock:
+            handle = self.handles.pop(job_id, None)
+        if handle is not None:
+            handle.done.set()
+
+    def _release_all(self) -> None:
+        for handle in self.snapshot():
+            self._release(handle.job.job_id)
+
+    def _fail_all(self, error: str) -> None:
+        for handle in self.snapshot():
+            handle.error = error
+            self.engine.abort_request(handle.job.job_id)
+            self._release(handle.job.job_id)
+
+    def _stream_delta(self, pipe, handle: Handle, out: RequestOutput) -> None:
+        text, _ = decode_output(self.engine.tokenizer, out.output_token_ids, handle.params.stop)
+        if not out.finished:
+            # Hold back what could still turn into a stop string, and half-decoded characters.
+            hold = max((len(s) for s in handle.params.stop), default=1) - 1
+            text = stable_prefix(text)
+            text = text[: max(len(text) - hold, 0)]
+        delta = text[handle.streamed_chars:]
+        if delta:
+            key = self.names.stream(handle.job.job_id)
+            pipe.xadd(key, {"type": "delta", "text": delta, "tokens": len(out.output_token_ids)})
+            pipe.expire(key, self.stream_ttl_s)
+            handle.streamed_chars = len(text)
+
+    def _publish_stats(self, pipe=None, force: bool = False) -> None:
+        if not force:
+            return
+        self._last_publish = time.monotonic()
+        e = self.engine
+        stats = {"steps": e.stats.steps, "free_blocks": e.block_manager.num_free_blocks,
+                 "used_blocks": e.block_manager.num_used_blocks, "num_blocks": e.block_manager.num_blocks,
+                 "requests": e.num_requests, "inflight": len(self.handles), "preemptions": e.stats.preemptions,
+                 "generated_tokens": e.stats.generated_tokens, "updated_at": time.time()}
+        target = pipe if pipe is not None else self.r.pipeline(transaction=False)
+        key = self.names.worker(self.hostname)
+        target.hset(key, mapping=stats)
+        target.expire(key, WORKER_KEY_TTL_S)
+        if pipe is None:
+            try:
+                target.execute()
+            except redis.RedisError as err:
+                log.warning("could not publish worker stats: %s", err)
