@@ -60,7 +60,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from pagedq.pipeline.stack import Stack
 
-    signal.signal(signal.SIGTERM, _interrupt)  # stop everything the same way Ctrl-C does
+    # Ctrl-C and SIGTERM stop everything the same way (SIGINT too: a background shell may have ignored it).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     stack = Stack(_settings(args), args.model, args.gpu_workers, args.cpu_workers, loglevel=args.loglevel)
     try:
         stack.start()
@@ -211,7 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _user_errors() as e:
+        print(f"pagedq {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from pagedq.config.redis_server import BrokerNotFoundError
+    from pagedq.pipeline.client import JobFailedError, JobNotFoundError
+    from pagedq.pipeline.protocol import RequestError
+
+    return (RequestError, JobFailedError, JobNotFoundError, BrokerNotFoundError, TimeoutError)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -362,18 +363,52 @@ def _get(url: str) -> str | None:
         return None
 
 
-# --- a killed worker's job comes back -----------------------------------------------------------
-def test_killed_workers_job_is_redelivered(redis_url, tmp_path: Path):
+# --- broker priority and key names ------------------------------------------------------------
+def test_broker_serves_pagedq_priority_9_first(client):
+    """kombu's Redis lists serve 0 first; pagedq's 9 (most urgent) must map onto it."""
+    queue = f"{client.settings.queue_prefix}priority-probe"
+    for p in (2, 9, 0, 5):
+        client.app.send_task("pagedq.probe", args=[p], queue=queue, priority=broker_priority(p))
+    assert client.r.llen(client.names.broker_list(queue, 0)) == 1  # pagedq 9 -> kombu 0 (no suffix)
+    with client.app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(queue, no_ack=True)
+        order = [json.loads(simple.get_nowait().body)[0][0] for _ in range(4)]
+        simple.close()
+    assert order == [9, 5, 2, 0]
+
+
+def test_every_key_carries_a_deployment_prefix(client, stack):
+    """Ours and kombu's own keys (queue lists, unacked messages, bindings) all start with "<prefix>:"."""
+    assert any(k.startswith("pqt:_kombu.binding.") for k in client.r.scan_iter(count=1000))
+    stray = [k for k in client.r.scan_iter(count=1000) if not re.match(r"[\w.-]+:", k)]
+    assert not stray, f"keys without a deployment prefix: {stray[:10]}"
+
+
+# --- a worker that goes away gives its jobs back ------------------------------------------------
+def test_worker_loss_returns_jobs_to_the_queue(redis_url, tmp_path: Path):
+    """Warm shutdown requeues a running job at once; a killed worker's job returns after the visibility timeout."""
     s = Settings(broker_url=redis_url, key_prefix="pqk:", queue_prefix="pqk.", kv_cache_memory="128MiB",
                  visibility_timeout_s=3)
     with Stack(s, log_dir=tmp_path) as stack, Client(s, stack.url) as client:
         job = client.submit(prompt="A long story:", max_tokens=300, **GREEDY)
-        wait_until(lambda: (client.status(job).completion_tokens or 0) > 0, TIMEOUT, what="the job to run")
-        doomed = gpu_worker(stack)
-        doomed.proc.kill()  # no warm shutdown: the message stays unacked
-        doomed.proc.wait()
-        stack.children.remove(doomed)
+
+        def running_on(child) -> bool:
+            st = client.status(job)
+            return st.worker == child.hostname and (st.completion_tokens or 0) > 0
+        first = gpu_worker(stack)
+        wait_until(lambda: running_on(first), TIMEOUT, what="the job to run")
+        stack.stop_worker(first)  # SIGTERM: warm shutdown
+        assert client.status(job).state == "queued"
+        assert broker_depth(client) == 1
+
+        second = stack.add_worker("gpu")
+        stack.wait_ready(TIMEOUT, [second])
+        wait_until(lambda: running_on(second), TIMEOUT, what="the job to run again")
+        second.proc.kill()  # no warm shutdown: the message stays unacked until the visibility timeout
+        second.proc.wait()
+        stack.children.remove(second)
+
         stack.wait_ready(TIMEOUT, [stack.add_worker("gpu")])
         result = client.result(job, timeout=TIMEOUT)
         assert result["usage"]["completion_tokens"] == 300
-        assert client.status(job).attempts >= 2
+        assert client.status(job).attempts >= 3
