@@ -121,6 +121,10 @@ class Names:
         """Hash: a served model's name, fingerprint, max_model_len, vocab_size."""
         return f"{self.key_prefix}model:{model_slug(model)}"
 
+    @property
+    def model_pattern(self) -> str:
+        return f"{self.key_prefix}model:*"
+
     def worker(self, hostname: str) -> str:
         """Hash with a short TTL: a live worker's role, pid, readiness and engine stats."""
         return f"{self.key_prefix}worker:{hostname}"

@@ -160,6 +160,8 @@ class Client:
         ``priority`` is 0-9, 9 most urgent (default ``settings.default_priority``).  A job not
         started within ``timeout_s`` seconds ends 'expired'.
         """
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
+            raise RequestError("timeout_s: must be a number of seconds >= 0", "timeout_s")
         if priority is not None:
             fields_["priority"] = priority
         fields_.setdefault("priority", self.settings.default_priority)
@@ -197,8 +199,8 @@ class Client:
         return req
 
     def served_models(self) -> list[str]:
-        prefix = self.names.model("")
-        return sorted(self.r.hget(k, "name") or k[len(prefix):] for k in self.r.scan_iter(match=prefix + "*"))
+        """Names of the models GPU workers have registered."""
+        return sorted(filter(None, (self.r.hget(k, "name") for k in self.r.scan_iter(match=self.names.model_pattern))))
 
     def _new_job_id(self) -> str:
         return uuid.uuid4().hex

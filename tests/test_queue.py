@@ -212,6 +212,7 @@ BAD_REQUESTS = [
     ({"prompt": [10**7]}, "prompt"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "timeout_s": -1}, "timeout_s"),
 ]
 
 
@@ -337,17 +338,26 @@ def test_flower_shows_generate_and_postprocess_tasks(client, settings, stack, tm
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: _get(f"{base}/healthcheck") == "OK", 60, 0.2, "Flower to start")
         time.sleep(1.0)  # its event receiver subscribes just after the HTTP server is up
-        job = client.submit(prompt="Hello, Flower!", max_tokens=24, **GREEDY)
+        job = client.submit(prompt="Hello, Flower!", max_tokens=96, **GREEDY)
+
+        def tasks_of_job() -> dict:
+            tasks = json.loads(_get(f"{base}/api/tasks") or "{}")
+            return {t["name"]: t for t in tasks.values()
+                    if job in (t.get("args") or "") or job in (t.get("result") or "")}
+
+        def progressing() -> bool:  # task-progress events: state PROGRESS, tokens so far
+            gen = next((t for t in json.loads(_get(f"{base}/api/tasks") or "{}").values()
+                        if t["name"] == GENERATE_TASK and job in (t.get("args") or "")), None)
+            return bool(gen) and gen["state"] == "PROGRESS" and "tokens so far" in (gen.get("result") or "")
+        wait_until(progressing, 60, 0.1, "Flower to show the generate task in PROGRESS")
         client.result(job, timeout=TIMEOUT)
 
-        def seen() -> dict | None:
-            tasks = json.loads(_get(f"{base}/api/tasks") or "{}")
-            mine = {t["name"]: t for t in tasks.values() if job in json.dumps(t.get("args") or "")
-                    or job in json.dumps(t.get("result") or "")}
-            names = {GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK}
-            done = all(mine.get(name, {}).get("state") == "SUCCESS" for name in names)
+        def all_succeeded() -> dict | None:
+            mine = tasks_of_job()
+            done = all(mine.get(n, {}).get("state") == "SUCCESS" for n in (PREPROCESS_TASK, GENERATE_TASK,
+                                                                             POSTPROCESS_TASK))
             return mine if done else None
-        mine = wait_until(seen, 30, 0.5, "Flower to list the job's tasks")
+        mine = wait_until(all_succeeded, 30, 0.5, "Flower to list the job's tasks as SUCCESS")
         assert mine[GENERATE_TASK]["worker"] == gpu_worker(stack).hostname
     finally:
         flower.send_signal(signal.SIGTERM)

@@ -112,7 +112,9 @@ class ProgressReporter(threading.Thread):
         for h in handles:
             if h.num_tokens and self.reported.get(h.task_id) != h.num_tokens:
                 self.reported[h.task_id] = h.num_tokens
-                dispatcher.send("task-progress", uuid=h.task_id, tokens=h.num_tokens, job_id=h.job.job_id)
+                # Flower shows the custom state (PROGRESS) and, in the task's Result field, the count.
+                dispatcher.send("task-progress", uuid=h.task_id, tokens=h.num_tokens,
+                                result=f"{h.num_tokens} tokens so far")
                 pipe.hset(self.names.job(h.job.job_id), "completion_tokens", h.num_tokens)
         pipe.execute()
         live = {h.task_id for h in handles}
