@@ -24,6 +24,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     queue: str
+    path: str = ""  # the worker's local Hugging Face folder (tokenizer); CPU workers on its host reuse it
     updated_at: float = 0.0
 
 
@@ -37,7 +38,7 @@ def lookup_model(r: redis.Redis, names: Names, model: str) -> ModelInfo | None:
     if not raw or raw.get("name") != model:
         return None
     return ModelInfo(name=raw["name"], fingerprint=raw["fingerprint"], max_model_len=int(raw["max_model_len"]),
-                     vocab_size=int(raw["vocab_size"]), queue=raw["queue"],
+                     vocab_size=int(raw["vocab_size"]), queue=raw["queue"], path=raw.get("path", ""),
                      updated_at=float(raw.get("updated_at", 0)))
 
 

@@ -67,8 +67,10 @@ class Stack:
         try:
             self.url = self._exit.enter_context(ensure_broker(self.settings))
             gpu, cpu = self._workers_needed()
-            for _ in range(gpu):
-                self.add_worker("gpu")
+            for i in range(gpu):
+                first = self.add_worker("gpu")
+                if i == 0 and gpu > 1:  # it converts the packaged model on first use; the others then load it
+                    self.wait_ready(timeout, [first])
             for _ in range(cpu):
                 self.add_worker("cpu")
             self.wait_ready(timeout)

@@ -53,10 +53,15 @@ MODEL_WAIT_RETRY_S = 1.0
 
 
 class Tokenizers:
-    """Each model's tokenizer, loaded once per process from the model's local folder."""
+    """Each model's tokenizer, loaded once per process.
 
-    def __init__(self, state_dir) -> None:
+    From the folder the GPU worker registered when it exists on this host (so a CPU worker never
+    converts the packaged model while a GPU worker does), else from the model's own folder here.
+    """
+
+    def __init__(self, state_dir, registered_path) -> None:
         self.state_dir = state_dir
+        self.registered_path = registered_path  # model name -> the registered folder, or ""
         self._cache: dict = {}
         self._lock = threading.Lock()
 
@@ -67,7 +72,10 @@ class Tokenizers:
 
                 from pagedq.workers.model_loader import resolve_model
 
-                self._cache[model] = AutoTokenizer.from_pretrained(resolve_model(model, self.state_dir).path)
+                path = self.registered_path(model)
+                if not (path and os.path.isdir(path)):
+                    path = resolve_model(model, self.state_dir).path
+                self._cache[model] = AutoTokenizer.from_pretrained(path)
             return self._cache[model]
 
 
@@ -142,11 +150,12 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     names = Names.from_settings(settings)
     hostname = hostname or f"cpu.{os.getpid()}@{os.uname().nodename}"
     app = make_celery(settings, url)
-    tokenizers = Tokenizers(settings.state_dir)
-    try:
-        tokenizers.get(settings.model)  # load the default model's tokenizer before taking work
-    except Exception as e:  # noqa: BLE001 - other models may still be served
-        log.warning("could not load the tokenizer of %s: %s", settings.model, e)
+    tokenizers = Tokenizers(settings.state_dir, lambda model: getattr(lookup_model(r, names, model), "path", ""))
+    if lookup_model(r, names, settings.model) is not None:  # load its tokenizer before taking work
+        try:
+            tokenizers.get(settings.model)
+        except Exception as e:  # noqa: BLE001 - other models may still be served
+            log.warning("could not load the tokenizer of %s: %s", settings.model, e)
     register_cpu_tasks(app, settings, r, JobStore(r, names, settings.result_ttl_s), names, tokenizers)
     key = names.worker(hostname)
     Heartbeat(r, key, {"role": "cpu", "pid": os.getpid(), "ready": 0}).start()

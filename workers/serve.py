@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 
 from celery import signals
@@ -44,12 +45,13 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     engine = LLMEngine(settings, model)
     queue = names.generate_queue(engine.model_name)
     register_model(r, names, ModelInfo(engine.model_name, engine.fingerprint, engine.max_model_len,
-                                       engine.cfg.vocab_size, queue))
+                                       engine.cfg.vocab_size, queue, str(engine.model_path)))
     worker_key = names.worker(hostname)
     Heartbeat(r, worker_key, {"role": "gpu", "model": engine.model_name, "pid": os.getpid(), "ready": 0},
               WORKER_KEY_TTL_S).start()
 
-    service = EngineService(engine, r, names, hostname, settings.result_ttl_s)
+    service = EngineService(engine, r, names, hostname, settings.result_ttl_s,
+                            on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # warm shutdown
     service.start()
     app = make_celery(settings, url)
     register_generate(app, service, JobStore(r, names, settings.result_ttl_s), names)
@@ -58,9 +60,12 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     signals.worker_shutting_down.connect(lambda **_: service.shutdown(), weak=False)
     mark_ready_on_start(r, worker_key)
     log.info("serving %s on queue %s as %s", engine.model_name, queue, hostname)
-    app.worker_main(["worker", "--pool", "threads", "--concurrency", str(settings.worker_max_inflight),
-                     "--queues", queue, "--hostname", hostname, "--without-gossip", "--without-mingle",
-                     "--loglevel", loglevel])
+    try:
+        app.worker_main(["worker", "--pool", "threads", "--concurrency", str(settings.worker_max_inflight),
+                         "--queues", queue, "--hostname", hostname, "--without-gossip", "--without-mingle",
+                         "--loglevel", loglevel])
+    finally:
+        engine.shutdown()  # a pipelined engine stops its stage processes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
