@@ -67,6 +67,16 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default = all cores")
 
+    # --- parallelism (one replica over several processes) --------------------
+    pipeline_stages: int = Field(1, ge=1, description="processes, each holding a contiguous range of layers")
+    tensor_parallel: int = Field(1, ge=1, description="processes per stage, each holding a slice of every layer")
+    pipeline_layer_split: list[int] | None = Field(
+        None, description="layers per stage, e.g. [17, 13]; default balances lm_head's cost on the last stage")
+    stage_master: str | None = Field(
+        None, description="HOST:PORT of the replica's rendezvous; set = stages are started separately "
+                          "(pagedq stage), unset = the driver spawns them on a free local port")
+    stage_timeout_s: float = Field(600, gt=0, description="a replica process silent this long is taken as dead")
+
     # --- pipeline ----------------------------------------------------------
     result_ttl_s: int = Field(24 * 3600, ge=1)
     default_priority: int = Field(5, ge=0, le=9)

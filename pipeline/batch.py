@@ -48,11 +48,18 @@ def prepare_lines(lines: list[str], engine) -> list[PreparedLine | dict]:
 
 def run_offline(input_path: Path, output_path: Path, settings: Settings, model: str | None = None,
                 progress: bool = True) -> dict:
-    from tqdm import tqdm
-
     from pagedq.workers.engine import LLMEngine
 
     engine = LLMEngine(settings, model)
+    try:
+        return _run(engine, input_path, output_path, progress)
+    finally:
+        engine.shutdown()  # stops the stage processes of a pipelined engine
+
+
+def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
+    from tqdm import tqdm
+
     lines = [ln for ln in Path(input_path).read_text().splitlines() if ln.strip()]
     prepared = prepare_lines(lines, engine)
     jobs = [(i, p) for i, p in enumerate(prepared) if isinstance(p, PreparedLine)]

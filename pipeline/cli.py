@@ -16,7 +16,8 @@ from pagedq.config import Settings
 
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {}
-    for name in ("model", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("model", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "pipeline_stages", "tensor_parallel", "stage_master"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -139,6 +140,16 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--block-size", type=int)
+    p.add_argument("--pipeline-stages", type=int, help="run the model as this many processes, layers split among them")
+    p.add_argument("--tensor-parallel", type=int, help="split every layer across this many processes (per stage)")
+    p.add_argument("--stage-master", help="HOST:PORT where separately started stages (pagedq stage) join; "
+                   "default: spawn them locally")
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from pagedq.workers.stage import serve_from_args
+
+    return serve_from_args(args)
 
 
 def _worker_options(p: argparse.ArgumentParser) -> None:
@@ -184,6 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     _worker_options(p)
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("stage", help="join a model replica as one of its processes (a pipeline stage / shard)")
+    p.add_argument("--rank", type=int, required=True,
+                   help="1 .. S*T-1: shard rank %% T of stage rank // T (rank 0 is the worker or run-batch driving it)")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages in the replica")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="shards per stage")
+    p.add_argument("--master", required=True, help="HOST:PORT of the driver's rendezvous (its --stage-master)")
+    p.add_argument("--model", help="model name or local folder (default: what the driver serves)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: settings.device)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.set_defaults(func=cmd_stage)
 
     p = sub.add_parser("cpu-worker", help="a CPU worker: preprocess and postprocess tasks")
     _worker_options(p)

@@ -3,6 +3,12 @@
 ``step()`` schedules, runs the model once, samples, and reports what each
 running request gained.  ``add_request`` and ``abort_request`` may be called
 from any thread; they take effect at the start of the next step.
+
+The model runs in this process, or in a replica of processes (pipeline
+stages x tensor-parallel shards, ``settings.pipeline_stages`` /
+``tensor_parallel``) that this engine drives as their rank 0; see
+``executor.py``.  A replica that loses a process raises ReplicaLostError from
+``step()``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pagedq.config import Settings, get_settings
 from pagedq.kernels import get_attention_backend
 from pagedq.workers.block_manager import BlockManager
 from pagedq.workers.detokenizer import decode_output
+from pagedq.workers.distributed import ParallelConfig, ReplicaLostError
+from pagedq.workers.executor import LocalExecutor, PipelineExecutor
 from pagedq.workers.model import CausalLM, ModelConfig, load_weights
 from pagedq.workers.model_loader import resolve_model
 from pagedq.workers.model_runner import ModelRunner, kv_cache_block_bytes, pick_device
@@ -108,19 +116,28 @@ class LLMEngine:
     def _load(self, weights: dict[str, torch.Tensor]) -> None:
         s = self.settings
         self.fingerprint = fingerprint_weights(weights)
-        attention = get_attention_backend(s.attention_backend, self.device)
-        self.model = CausalLM(self.cfg, weights, device=self.device, dtype=self.dtype, attention=attention)
-        num_blocks = s.num_kv_blocks or s.kv_cache_memory // kv_cache_block_bytes(
-            self.cfg, len(self.model.layers), s.block_size, self.dtype)
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={s.kv_cache_memory} holds fewer than 2 blocks")
+        if ParallelConfig(s.pipeline_stages, s.tensor_parallel).is_distributed:
+            self.executor = PipelineExecutor.start(self.cfg, weights, self.model_name, s, self.device, self.dtype)
+            num_blocks, backend = self.executor.num_blocks, self.executor.runner.model.attention.name
+        else:
+            attention = get_attention_backend(s.attention_backend, self.device)
+            self.model = CausalLM(self.cfg, weights, device=self.device, dtype=self.dtype, attention=attention)
+            num_blocks = s.num_kv_blocks or s.kv_cache_memory // kv_cache_block_bytes(
+                self.cfg, len(self.model.layers), s.block_size, self.dtype)
+            if num_blocks < 2:
+                raise ValueError(f"kv_cache_memory={s.kv_cache_memory} holds fewer than 2 blocks")
+            self.runner = ModelRunner(self.model, num_blocks, s.block_size, self.device, self.dtype)
+            self.executor = LocalExecutor(self.runner)
+            backend = attention.name
         self.block_manager = BlockManager(num_blocks, s.block_size, s.enable_prefix_caching,
                                           extra_key=f"{self.model_name}:{self.fingerprint}")
         self.scheduler = Scheduler(self.block_manager, s.max_num_seqs, s.max_num_batched_tokens,
                                    s.scheduling_policy)
-        self.runner = ModelRunner(self.model, num_blocks, s.block_size, self.device, self.dtype)
-        log.info("engine ready: %s (%s), %d KV blocks x %d tokens, attention=%s", self.model_name,
-                 self.fingerprint[:12], num_blocks, s.block_size, attention.name)
+        self._busy: set[int] = set()  # id() of sequences in micro-batches in flight
+        self._pending_aborts: list[str] = []  # aborts of busy sequences, applied when they come back
+        log.info("engine ready: %s (%s), %d KV blocks x %d tokens, attention=%s, %d stage(s) x %d shard(s)",
+                 self.model_name, self.fingerprint[:12], num_blocks, s.block_size, backend, s.pipeline_stages,
+                 s.tensor_parallel)
 
     # --- requests ---------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -150,6 +167,9 @@ class LLMEngine:
 
     def _drain_inbox(self) -> list[RequestOutput]:
         aborted = []
+        pending, self._pending_aborts = self._pending_aborts, []
+        for request_id in pending:
+            self._abort(request_id, aborted)
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
@@ -161,11 +181,24 @@ class LLMEngine:
                     continue
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
-            elif kind == "abort" and item in self.requests:
-                seq = self.requests.pop(item)
-                self.scheduler.remove(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                aborted.append(self._output(seq, 0))
+            elif kind == "abort":
+                self._abort(item, aborted)
+
+    def _abort(self, request_id: str, aborted: list[RequestOutput]) -> None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return
+        if id(seq) in self._busy:  # its micro-batch is still writing its KV blocks: free them after
+            self._pending_aborts.append(request_id)
+            return
+        self._retire(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        aborted.append(self._output(seq, 0))
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        del self.requests[seq.request_id]
+        self.executor.forget(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or not self._inbox.empty()
@@ -176,33 +209,65 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule micro-batches until the executor is full, then take the oldest one's tokens.
+
+        In one process that is one batch, run at once.  With S pipeline stages
+        up to S micro-batches are in flight, none sharing a sequence.
+        """
         with self.lock:
             outputs = self._drain_inbox()
-            sched = self.scheduler.schedule()
-            if sched.is_empty:
+            ex = self.executor
+            while ex.num_inflight < ex.max_inflight:
+                sched = self.scheduler.schedule(self._busy, self._micro_batch_seats())
+                if sched.is_empty:
+                    break
+                self._record_kv_usage(sched)
+                ex.submit(sched)
+                self._busy.update(id(seq) for seq, _ in sched.scheduled)
+            if not ex.num_inflight:
+                ex.check()
                 return outputs
-            self._record_kv_usage(sched)
-            sampled_seqs, sampled = self.runner.execute(sched)
-            for seq, n in sched.scheduled:
+            done = ex.collect()
+            for seq, n in done.sched.scheduled:
+                self._busy.discard(id(seq))
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     self.stats.prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
                 seq.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(seq)
-            for seq, token, logprob in zip(sampled_seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            for seq, token, logprob in zip(done.seqs, done.sampled.token_ids, done.sampled.logprobs, strict=True):
                 seq.token_ids.append(token)
                 if logprob is not None:
                     seq.logprobs.append(logprob)
                 self._check_stop(seq, token)
                 outputs.append(self._output(seq, 1))
                 if seq.is_finished:
-                    self.scheduler.remove(seq)
-                    del self.requests[seq.request_id]
+                    self._retire(seq)
             self.stats.steps += 1
-            self.stats.generated_tokens += len(sampled_seqs)
+            self.stats.generated_tokens += len(done.seqs)
             self.stats.preemptions = self.scheduler.num_preemptions
             self.stats.prefix_queries = self.block_manager.stats.queries
             self.stats.prefix_hits = self.block_manager.stats.hits
             return outputs
+
+    def _micro_batch_seats(self) -> int | None:
+        """Sequences the next micro-batch may take: an even share of those not in flight."""
+        free = self.executor.max_inflight - self.executor.num_inflight
+        if self.executor.max_inflight == 1:
+            return None
+        idle = len(self.scheduler.running) + len(self.scheduler.waiting) - len(self._busy)
+        return max(1, -(-idle // free))
+
+    def healthy(self) -> bool:
+        """False once a process of this engine's replica has died (always True in one process)."""
+        try:
+            self.executor.check()
+            return True
+        except ReplicaLostError:
+            return False
+
+    def shutdown(self) -> None:
+        """Stop the replica's other processes (nothing to do in one process)."""
+        self.executor.shutdown()
 
     def _record_kv_usage(self, sched) -> None:
         bs = self.block_manager.block_size
@@ -259,6 +324,8 @@ class LLMEngine:
         with self.lock:
             if self.requests:
                 raise RuntimeError("reload_weights needs an idle engine")
+            if not isinstance(self.executor, LocalExecutor):
+                raise NotImplementedError("reload_weights with pipeline stages or tensor parallelism")
             if path is not None:
                 self.model_path = path
             self._load(load_weights(self.model_path))

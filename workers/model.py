@@ -3,7 +3,10 @@
 It reads Hugging Face weights directly; q/k/v and gate/up projections are
 fused into one matrix each so a layer is four matrix products.  A model can
 hold a contiguous range of layers only (a pipeline stage): the first stage
-embeds tokens, the last one normalises and computes logits.
+embeds tokens, the last one normalises and computes logits.  It can also hold
+one tensor-parallel shard of each layer: its KV-head groups' rows of q/k/v and
+columns of o_proj (column- then row-parallel), its slice of the MLP's
+intermediate columns, and one all-reduce after o_proj and after down_proj.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
@@ -69,6 +73,55 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             sliding_window=window,
         )
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges covering ``range(n)`` in ``parts`` pieces whose sizes differ by at most one."""
+    base, extra = divmod(n, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        end = start + base + (i < extra)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice of every layer's matrices one tensor-parallel process holds.
+
+    Attention is split by KV-head groups (each group keeps its query heads), so
+    a model whose KV heads do not divide by T still splits: 3 KV heads over 2
+    processes become 2 + 1.  MLP columns split as evenly as they go.
+    """
+
+    rank: int = 0
+    size: int = 1
+    kv_heads: tuple[int, int] = (0, 0)
+    q_heads: tuple[int, int] = (0, 0)
+    mlp: tuple[int, int] = (0, 0)
+    group: object | None = None  # the process group of this stage's shards (all-reduce)
+
+    @classmethod
+    def full(cls, cfg: ModelConfig) -> Shard:
+        return cls.of(cfg, 0, 1)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, size: int, group=None) -> Shard:
+        if size > cfg.num_kv_heads:
+            raise ValueError(f"tensor_parallel={size} exceeds the model's {cfg.num_kv_heads} KV heads")
+        per_group = cfg.num_heads // cfg.num_kv_heads
+        kv = split_evenly(cfg.num_kv_heads, size)[rank]
+        return cls(rank, size, kv, (kv[0] * per_group, kv[1] * per_group),
+                   split_evenly(cfg.intermediate_size, size)[rank], group)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -138,14 +191,18 @@ class CausalLM:
     """A stack of decoder layers ``layer_range`` of the model, with embed/head on the ends."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_range: tuple[int, int] | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, attention=None) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, attention=None,
+                 shard: Shard | None = None) -> None:
         self.cfg = cfg
         self.first, self.last = layer_range or (0, cfg.num_layers)
         self.is_first_stage = self.first == 0
         self.is_last_stage = self.last == cfg.num_layers
         self.attention = attention
+        self.shard = shard or Shard.full(cfg)
+        self.tp_group = self.shard.group if self.shard.size > 1 else None
         self.scale = cfg.head_dim ** -0.5
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -154,7 +211,7 @@ class CausalLM:
         if self.is_last_stage:
             self.norm = w("model.norm.weight")
             self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.layers = [self._load_layer(w, weights, i) for i in range(self.first, self.last)]
+        self.layers = [self._load_layer(w, i) for i in range(self.first, self.last)]
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]
@@ -162,19 +219,22 @@ class CausalLM:
         self.cos = (emb.cos() * self.rope_scale).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * self.rope_scale).to(device=device, dtype=dtype)
 
-    def _load_layer(self, w, weights: dict[str, torch.Tensor], i: int) -> DecoderLayer:
-        p = f"model.layers.{i}."
+    def _load_layer(self, w, i: int) -> DecoderLayer:
+        p, d, sh = f"model.layers.{i}.", self.cfg.head_dim, self.shard
+        rows = {"q": slice(sh.q_heads[0] * d, sh.q_heads[1] * d), "k": slice(sh.kv_heads[0] * d, sh.kv_heads[1] * d)}
+        rows["v"] = rows["k"]
+        mlp = slice(*sh.mlp)
         bias = None
         if self.cfg.attention_bias:
-            bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            bias = torch.cat([w(p + f"self_attn.{n}_proj.bias")[rows[n]] for n in "qkv"])
         return DecoderLayer(
             input_norm=w(p + "input_layernorm.weight"),
-            qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight")[rows[n]] for n in "qkv"]),
             qkv_bias=bias,
-            o_proj=w(p + "self_attn.o_proj.weight"),
+            o_proj=w(p + "self_attn.o_proj.weight")[:, rows["q"]].contiguous(),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-            down=w(p + "mlp.down_proj.weight"),
+            gate_up=torch.cat([w(p + "mlp.gate_proj.weight")[mlp], w(p + "mlp.up_proj.weight")[mlp]]),
+            down=w(p + "mlp.down_proj.weight")[:, mlp].contiguous(),
         )
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -185,22 +245,28 @@ class CausalLM:
         """Run this stage's layers over ``hidden [num_tokens, hidden_size]``."""
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = hidden + self._attention(layer, rms_norm(hidden, layer.input_norm, self.cfg.rms_norm_eps),
-                                              cos, sin, meta, k_cache, v_cache)
+            hidden = hidden + self._reduce(self._attention(
+                layer, rms_norm(hidden, layer.input_norm, self.cfg.rms_norm_eps), cos, sin, meta, k_cache, v_cache))
             h = rms_norm(hidden, layer.post_norm, self.cfg.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            hidden = hidden + self._reduce(F.linear(F.silu(gate) * up, layer.down))
         return hidden
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel product over this stage's shards (a no-op unsharded)."""
+        if self.tp_group is not None:
+            dist.all_reduce(partial, group=self.tp_group)
+        return partial
 
     def _attention(self, layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        cfg, n = self.cfg, h.shape[0]
+        d, n = self.cfg.head_dim, h.shape[0]
         q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, cfg.num_heads, cfg.head_dim)
-        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        q = q.view(n, self.num_heads, d)
+        k = k.view(n, self.num_kv_heads, d)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(n, self.num_kv_heads, d)
         out = paged_attention(self.attention, q, k, v, k_cache, v_cache, meta, self.scale)
         return F.linear(out.reshape(n, self.q_size), layer.o_proj)
 

@@ -9,12 +9,19 @@ preempted: its blocks are freed and it waits to be recomputed.
 
 Urgency is ``(priority desc, arrival asc)`` under the ``priority`` policy and
 arrival order under ``fcfs``.
+
+With pipeline stages several micro-batches are in flight at once.  A
+sequence in one of them is *busy*: its next token is not known yet, so it is
+neither scheduled nor preempted until its micro-batch comes back, and
+``max_seqs`` caps one micro-batch's share of the sequences so the running set
+splits across the micro-batches.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from pagedq.workers.block_manager import BlockManager
@@ -75,18 +82,26 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def _least_urgent_idle(self, busy: Set[int]) -> Sequence | None:
+        return next((s for s in reversed(self.running) if id(s) not in busy), None)
+
+    def schedule(self, busy: Set[int] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
+        """Plan one step (one micro-batch); ``busy`` holds ``id()`` of sequences in flight."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        seats = max_seqs or len(self.running) + len(self.waiting)  # no cap unless asked
         planned: dict[int, int] = {}  # id(seq) -> tokens this step
 
         # 1. Running sequences, most urgent first; preempt from the least urgent end when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(planned) < seats:
             seq = self.running[i]
+            if id(seq) in busy:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):
-                victim = self.running[-1]
+                victim = self._least_urgent_idle(busy)  # never None: seq itself is idle
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -98,14 +113,14 @@ class Scheduler:
             break
 
         # 2. Waiting sequences, unless this step already had to preempt.
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0 and not out.preempted and len(planned) < seats:
             seq = self.waiting[0][1]
-            if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, out):
+            if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, out, busy):
                 break
             cached = self.bm.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
             admitted = self.bm.allocate(seq, n, cached)
-            while not admitted and self._make_room(seq, planned, out):
+            while not admitted and self._make_room(seq, planned, out, busy):
                 cached = self.bm.find_cached_prefix(seq)  # the victim's blocks may have been ours
                 n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
                 admitted = self.bm.allocate(seq, n, cached)
@@ -124,11 +139,12 @@ class Scheduler:
         out.scheduled = [(s, planned[id(s)]) for s in self.running if id(s) in planned]
         return out
 
-    def _make_room(self, seq: Sequence, planned: dict[int, int], out: SchedulerOutput) -> bool:
-        """Under the priority policy, preempt the least urgent running sequence if ``seq`` outranks it."""
-        if self.policy != "priority" or not self.running or self.running[-1].priority >= seq.priority:
+    def _make_room(self, seq: Sequence, planned: dict[int, int], out: SchedulerOutput,
+                   busy: Set[int] = frozenset()) -> bool:
+        """Under the priority policy, preempt the least urgent idle running sequence if ``seq`` outranks it."""
+        victim = self._least_urgent_idle(busy) if self.policy == "priority" else None
+        if victim is None or victim.priority >= seq.priority:
             return False
-        victim = self.running[-1]
         planned.pop(id(victim), None)
         self._preempt(victim, out)
         out.preempted.remove(victim)  # a priority swap, not a shortage: admission continues

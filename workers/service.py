@@ -20,6 +20,7 @@ import redis
 from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
 from pagedq.workers.detokenizer import decode_output, stable_prefix
+from pagedq.workers.distributed import ReplicaLostError
 from pagedq.workers.engine import LLMEngine, RequestOutput
 from pagedq.workers.sampling_params import SamplingParams
 
@@ -48,8 +49,9 @@ class Handle:
 
 class EngineService:
     def __init__(self, engine: LLMEngine, client: redis.Redis, names: Names, hostname: str,
-                 stream_ttl_s: int = 3600) -> None:
+                 stream_ttl_s: int = 3600, on_replica_lost=None) -> None:
         self.engine = engine
+        self.on_replica_lost = on_replica_lost  # called once the jobs are handed back (the worker stops)
         self.stream_ttl_s = stream_ttl_s
         self.r = client
         self.names = names
@@ -119,6 +121,9 @@ class EngineService:
     def _loop(self) -> None:
         while True:
             if not self.engine.has_unfinished():
+                if not self.engine.healthy():
+                    self._replica_lost(ReplicaLostError("a process of the replica exited"))
+                    return
                 if self._stopping.is_set():
                     self._release_all()
                     return
@@ -128,6 +133,9 @@ class EngineService:
                 continue
             try:
                 outputs = self.engine.step()
+            except ReplicaLostError as e:
+                self._replica_lost(e)
+                return
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the worker silently
                 log.exception("engine step failed; failing its requests")
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
@@ -157,6 +165,14 @@ class EngineService:
         for out in outputs:
             if out.finished:
                 self._release(out.request_id)
+
+    def _replica_lost(self, error: ReplicaLostError) -> None:
+        """A stage process of the engine died: every job goes back to the queue, and the worker stops."""
+        log.error("replica lost (%s): requeueing %d job(s), taking no more work", error, len(self.handles))
+        self.shutdown()
+        self._release_all()
+        if self.on_replica_lost is not None:
+            self.on_replica_lost()
 
     def _release(self, job_id: str) -> None:
         with self._lock:

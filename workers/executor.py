@@ -1,0 +1,307 @@
+"""Where the engine's steps run: in this process, or across a replica of processes.
+
+The engine hands an executor scheduled micro-batches (``submit``) and takes
+their sampled tokens back in order (``collect``).  ``LocalExecutor`` runs a
+step at once, one in flight.  ``PipelineExecutor`` is the driver (rank 0) of a
+replica of pipeline stages x tensor-parallel shards: it runs stage 0's layers
+itself, sends hidden states on, and keeps up to one micro-batch per stage in
+flight so the stages compute at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from pagedq.config import Settings
+from pagedq.kernels import get_attention_backend
+from pagedq.workers.distributed import (
+    BusyLog,
+    Kind,
+    Link,
+    Message,
+    ParallelConfig,
+    Replica,
+    ReplicaLostError,
+    ReplicaSpec,
+    decode_json,
+    encode_json,
+    free_port,
+    init_replica,
+    layer_ranges,
+    overlap_report,
+    shutdown_replica,
+)
+from pagedq.workers.model import CausalLM, ModelConfig, Shard
+from pagedq.workers.model_runner import ModelRunner, kv_cache_block_bytes
+from pagedq.workers.sampler import SamplerOutput
+from pagedq.workers.scheduler import SchedulerOutput
+from pagedq.workers.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sched: SchedulerOutput
+    seqs: list[Sequence]  # the sequences that got a token, in ``sampled`` order
+    sampled: SamplerOutput
+
+
+class LocalExecutor:
+    """The whole model in this process: a step runs when it is submitted."""
+
+    max_inflight = 1
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._done: deque[StepResult] = deque()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._done)
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        seqs, sampled = self.runner.execute(sched)
+        self._done.append(StepResult(sched, seqs, sampled))
+
+    def collect(self) -> StepResult:
+        return self._done.popleft()
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def plan_kv_blocks(cfg: ModelConfig, settings: Settings, parallel: ParallelConfig,
+                   ranges: list[tuple[int, int]], dtype: torch.dtype) -> int:
+    """KV blocks every process can hold in ``kv_cache_memory`` (the busiest process decides)."""
+    if settings.num_kv_blocks:
+        return settings.num_kv_blocks
+    layers = max(b - a for a, b in ranges)
+    heads = max(Shard.of(cfg, t, parallel.tensor_parallel).num_kv_heads for t in range(parallel.tensor_parallel))
+    return settings.kv_cache_memory // kv_cache_block_bytes(cfg, layers, settings.block_size, dtype, heads)
+
+
+def spawn_stage(rank: int, master: str, model: str, settings: Settings) -> subprocess.Popen:
+    """Start rank ``rank`` as a child process that dies with this one."""
+    from pagedq.config.processes import spawn
+
+    cmd = [sys.executable, "-m", "pagedq.pipeline.cli", "stage", "--rank", str(rank), "--stages",
+           str(settings.pipeline_stages), "--tensor-parallel", str(settings.tensor_parallel),
+           "--master", master, "--model", model, "--device", settings.device]
+    if settings.num_threads:
+        cmd += ["--threads", str(settings.num_threads)]
+    return spawn(cmd)
+
+
+class PipelineExecutor:
+    """Rank 0 of a replica: stage 0 (shard 0) plus the micro-batch bookkeeping."""
+
+    PING_INTERVAL_S = 30.0
+
+    def __init__(self, replica: Replica, runner: ModelRunner, children: list[subprocess.Popen]) -> None:
+        self.replica = replica
+        self.parallel = replica.parallel
+        self.runner = runner
+        self.children = children
+        self.max_inflight = self.parallel.pipeline_stages
+        self.link = Link(replica.comm_device, runner.model.cfg.hidden_size, runner.dtype)
+        self.busy = BusyLog()
+        self._inflight: deque[tuple[SchedulerOutput, list[Sequence], SamplerOutput | None]] = deque()
+        self._known: set[str] = set()  # request ids the sampling rank has a copy of
+        self._dropped: list[str] = []  # left the engine; the sampling rank is told with the next batch
+        self._lock = threading.Lock()  # sends from the step thread and the keep-alive thread
+        self._last_send = time.monotonic()
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._pinger = threading.Thread(target=self._keep_alive, name="replica-ping", daemon=True)
+        self._pinger.start()
+
+    # --- construction -------------------------------------------------------
+    @classmethod
+    def start(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], model: str, settings: Settings,
+              device: torch.device, dtype: torch.dtype) -> PipelineExecutor:
+        """Spawn (or wait for) the other ranks, rendezvous, and load stage 0's share of the weights."""
+        parallel = ParallelConfig(settings.pipeline_stages, settings.tensor_parallel)
+        ranges = layer_ranges(cfg, parallel.pipeline_stages, settings.pipeline_layer_split)
+        num_blocks = plan_kv_blocks(cfg, settings, parallel, ranges, dtype)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory={settings.kv_cache_memory} holds fewer than 2 blocks per process")
+        spec = ReplicaSpec(model=model, model_config=cfg.__dict__, pipeline_stages=parallel.pipeline_stages,
+                           tensor_parallel=parallel.tensor_parallel, layer_ranges=ranges, num_blocks=num_blocks,
+                           block_size=settings.block_size, dtype=settings.dtype,
+                           attention_backend=settings.attention_backend, timeout_s=settings.stage_timeout_s)
+        master = settings.stage_master or f"127.0.0.1:{free_port()}"
+        children = [] if settings.stage_master else [
+            spawn_stage(r, master, model, settings) for r in range(1, parallel.world_size)]
+        try:
+            replica = init_replica(0, parallel.world_size, master, device, settings.stage_timeout_s, spec,
+                                   children=children)
+        except BaseException:
+            for child in children:
+                child.kill()
+            raise
+        attention = get_attention_backend(settings.attention_backend, device)
+        lm = CausalLM(cfg, weights, replica.layer_range, device=device, dtype=dtype, attention=attention,
+                      shard=replica.shard(cfg))
+        runner = ModelRunner(lm, num_blocks, settings.block_size, device, dtype)
+        log.info("replica up: %d stage(s) x %d shard(s), layers %s, %d KV blocks; driver holds layers %s",
+                 parallel.pipeline_stages, parallel.tensor_parallel, ranges, num_blocks, replica.layer_range)
+        return cls(replica, runner, children)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.replica.spec.num_blocks
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    # --- steps ----------------------------------------------------------------
+    def submit(self, sched: SchedulerOutput) -> None:
+        self.check()
+        self.busy.begin()
+        try:
+            self._submit(sched)
+        except RuntimeError as e:  # torch.distributed reports a dead or silent peer as RuntimeError
+            raise self._lost(e) from e
+
+    def _submit(self, sched: SchedulerOutput) -> None:
+        p = self.parallel
+        inputs = self.runner.prepare(sched)
+        seqs = inputs.sample_seqs
+        control = encode_json(self._control(seqs), self.replica.comm_device) if p.pipeline_stages > 1 else None
+        with self._lock:
+            for shard in range(1, p.tensor_parallel):
+                self.link.send(shard, Message(Kind.BATCH, inputs.packed, control))
+        hidden = self.runner.forward(inputs)
+        if p.pipeline_stages == 1:
+            self._inflight.append((sched, seqs, self.runner.sample(hidden, inputs, seqs)))
+            return
+        with self._lock:
+            self.link.send(self.replica.downstream, Message(Kind.BATCH, inputs.packed, control, hidden))
+            self._last_send = time.monotonic()
+        self._inflight.append((sched, seqs, None))
+
+    def _control(self, seqs: list[Sequence]) -> dict:
+        """What the sampling rank needs beyond hidden states: new sequences' prompts and parameters."""
+        new = [[s.request_id, s.prompt_token_ids, s.params.__dict__] for s in seqs if s.request_id not in self._known]
+        self._known.update(s.request_id for s in seqs)
+        dropped, self._dropped = self._dropped, []
+        return {"drop": dropped, "new": new, "sample": [s.request_id for s in seqs]}
+
+    def collect(self) -> StepResult:
+        sched, seqs, sampled = self._inflight.popleft()
+        if sampled is None:
+            self.busy.end()  # waiting for the last stage is not work
+            try:
+                msg = self.link.recv(self.parallel.last_stage_driver)
+            except RuntimeError as e:
+                raise self._lost(e) from e
+            self.busy.begin()
+            if msg.kind != Kind.RESULT:
+                raise self._lost(RuntimeError(f"expected a result, got message kind {msg.kind}"))
+            sampled = decode_sampled(decode_json(msg.control))
+            if len(sampled.token_ids) != len(seqs):
+                raise self._lost(RuntimeError("the last stage sampled a different batch"))
+        return StepResult(sched, seqs, sampled)
+
+    def forget(self, request_id: str) -> None:
+        if request_id in self._known:
+            self._known.discard(request_id)
+            self._dropped.append(request_id)
+
+    # --- health ---------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ReplicaLostError if a process of the replica has died (or a send to it failed)."""
+        if self._failure is not None:
+            raise ReplicaLostError(str(self._failure))
+        for child in self.children:
+            if child.poll() is not None:
+                raise self._lost(RuntimeError(f"stage process {child.pid} exited with {child.returncode}"))
+
+    def _lost(self, cause: BaseException) -> ReplicaLostError:
+        if self._failure is None:
+            self._failure = cause
+            log.error("replica lost: %s", cause)
+        return ReplicaLostError(str(cause))
+
+    def _keep_alive(self) -> None:
+        """Ping idle links so a stage waiting for work does not hit the receive timeout."""
+        while not self._closed:
+            time.sleep(1.0)
+            if self._failure is not None or time.monotonic() - self._last_send < self.PING_INTERVAL_S:
+                continue
+            try:
+                self._broadcast(Kind.PING)
+            except RuntimeError as e:
+                self._lost(e)
+
+    def _broadcast(self, kind: int) -> None:
+        """Send a bare message down every link the driver feeds (it travels on through the stages)."""
+        with self._lock:
+            p = self.parallel
+            for shard in range(1, p.tensor_parallel):
+                self.link.send(shard, Message(kind))
+            if p.pipeline_stages > 1:
+                self.link.send(self.replica.downstream, Message(kind))
+            self._last_send = time.monotonic()
+
+    # --- measurements -----------------------------------------------------------
+    def busy_report(self, start: float, end: float) -> dict:
+        """Busy share of every rank over ``[start, end]`` and the share with >= 2 busy at once (idle replica)."""
+        if self._inflight:
+            raise RuntimeError("busy_report needs an idle replica")
+        self.busy.end()
+        spans = [self.busy.take()]
+        self._broadcast(Kind.STATS)
+        for rank in range(1, self.parallel.world_size):
+            spans.append([tuple(s) for s in decode_json(self.link.recv(rank).control)])
+        return overlap_report(spans, start, end)
+
+    def reset_busy(self) -> None:
+        self.busy.take()
+        self._broadcast(Kind.STATS)
+        for rank in range(1, self.parallel.world_size):
+            self.link.recv(rank)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is None:
+            try:
+                self._broadcast(Kind.STOP)
+                self.link.flush()
+            except RuntimeError as e:
+                log.warning("stopping the replica: %s", e)
+        for child in self.children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        shutdown_replica()
+
+
+def encode_sampled(sampled: SamplerOutput) -> dict:
+    return {"tokens": sampled.token_ids, "logprobs": sampled.logprobs}
+
+
+def decode_sampled(raw: dict) -> SamplerOutput:
+    logprobs = [None if lp is None else {"token": tuple(lp["token"]), "top": [tuple(t) for t in lp["top"]]}
+                for lp in raw["logprobs"]]
+    return SamplerOutput(raw["tokens"], logprobs)
