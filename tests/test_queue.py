@@ -117,6 +117,23 @@ def test_submit_completes(client):
     assert text["object"] == "text_completion" and text["usage"]["completion_tokens"] == 5
 
 
+def test_redelivered_postprocess_publishes_once(client):
+    job = client.submit(prompt="One, two,", max_tokens=4, **GREEDY)
+    first = client.result(job, timeout=TIMEOUT)
+    completed_at = client.status(job).completed_at
+    with client.r.pubsub(ignore_subscribe_messages=True) as ps:
+        ps.subscribe(client.names.done_channel(job))
+        redelivered = {"request_id": job, "kind": "text", "model": client.settings.model,
+                       "output_token_ids": [42, 43], "num_prompt_tokens": 3, "finish_reason": "length"}
+        for _ in range(2):
+            client.app.send_task(POSTPROCESS_TASK, args=[redelivered], queue=client.names.results_queue)
+        wait_until(lambda: broker_depth(client) == 0, 30, what="the copies to be consumed")
+        time.sleep(0.5)
+        assert ps.get_message(timeout=0.5) is None  # waiters heard the job finish once, not again
+    assert client.result(job, timeout=5) == first
+    assert client.status(job).completed_at == completed_at
+
+
 def _batch_lines() -> list[str]:
     bodies = [
         ("chat-1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colors."}],
