@@ -100,6 +100,27 @@ def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
     return Result("pagedq via queue", len(requests), prompt_tokens, produced, seconds, extra)
 
 
+def via_queue(settings: Settings, requests: list[BenchRequest], rounds: int, json_path: str | None) -> None:
+    results: list[Result] = []
+    for i in range(rounds):
+        for side in ("offline", "queue") if i % 2 == 0 else ("queue", "offline"):
+            results.append(run_engine(settings, requests) if side == "offline" else run_via_queue(settings, requests))
+            print(results[-1].row(), flush=True)
+            gc.collect()
+    offline = [r for r in results if r.name == "pagedq engine"]
+    queued = [r for r in results if r.name == "pagedq via queue"]
+    print("\n| system | requests | seconds | requests/s | output tok/s | total tok/s | notes |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(r.row())
+    ratio = (sum(r.output_tokens for r in queued) / sum(r.seconds for r in queued)) / (
+        sum(r.output_tokens for r in offline) / sum(r.seconds for r in offline))
+    print(f"\noutput tok/s ratio, via queue / offline engine ({rounds} run(s) each): {ratio:.1%}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"runs": [r.__dict__ for r in results], "ratio": ratio}, f, indent=1)
+
+
 def run_hf(model_path, tokenizer, requests: list[BenchRequest], batch_size: int) -> Result:
     from transformers import AutoModelForCausalLM
 
@@ -134,6 +155,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--via-queue", action="store_true",
                     help="compare with the full queue pipeline (embedded Redis + worker processes) instead of HF")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --via-queue: this many offline and queued runs each, alternating (AB BA AB ...) "
+                         "so a drift in machine load hits both sides alike")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -147,13 +171,13 @@ def main() -> None:
           f"{sum(r.output_len for r in requests)} output tokens; torch threads={torch.get_num_threads()}",
           flush=True)
 
+    if args.via_queue:
+        via_queue(settings, requests, args.rounds, args.json)
+        return
     results = [run_engine(settings, requests)]
     print(results[-1].row(), flush=True)
     gc.collect()
-    if args.via_queue:
-        results.append(run_via_queue(settings, requests))
-        print(results[-1].row(), flush=True)
-    elif not args.skip_hf:
+    if not args.skip_hf:
         hf_reqs = requests[: args.hf_requests] if args.hf_requests else requests
         results.append(run_hf(model_path, tokenizer, hf_reqs, args.hf_batch_size))
         print(results[-1].row(), flush=True)
@@ -162,9 +186,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(r.row())
-    if args.via_queue:
-        print(f"\noutput tok/s ratio, via queue / offline engine: {results[-1].output_tps / results[0].output_tps:.1%}")
-    elif len(results) > 1:
+    if len(results) > 1:
         print(f"\noutput tok/s ratio, pagedq engine / HF static batching: {results[0].output_tps / results[-1].output_tps:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
