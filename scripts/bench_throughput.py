@@ -88,7 +88,7 @@ def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
                  for i, r in enumerate(requests)]
         start = time.perf_counter()
         batch = client.submit_batch(lines)
-        client.wait_batch(batch, poll_s=0.05)
+        client.wait_batch(batch, poll_s=0.1)
         seconds = time.perf_counter() - start
         out = client.batch_results(batch)
         stats = client.r.hgetall(client.names.worker(next(c.hostname for c in stack.children if c.role == "gpu")))

@@ -355,7 +355,7 @@ def test_flower_shows_generate_and_postprocess_tasks(client, settings, stack, tm
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: _get(f"{base}/healthcheck") == "OK", 60, 0.2, "Flower to start")
         time.sleep(1.0)  # its event receiver subscribes just after the HTTP server is up
-        job = client.submit(prompt="Hello, Flower!", max_tokens=96, **GREEDY)
+        job = client.submit(prompt="Hello, Flower!", max_tokens=200, **GREEDY)
 
         def tasks_of_job() -> dict:
             tasks = json.loads(_get(f"{base}/api/tasks") or "{}")
