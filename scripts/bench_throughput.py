@@ -8,6 +8,7 @@ the other, so the ratio is measured under the same conditions.
     python scripts/bench_throughput.py                      # 200 requests, both sides
     python scripts/bench_throughput.py --hf-requests 64     # shorter HF side, for a quick look
     python scripts/bench_throughput.py --via-queue          # offline engine vs the full queue pipeline
+    python scripts/bench_throughput.py --pipeline-stages 2  # 1 stage vs 2 stages, one CPU thread per process
 
 ``--via-queue`` runs the same requests through the whole pipeline instead of HF:
 an embedded redis-server, a GPU worker and a CPU worker as separate processes,
@@ -121,6 +122,52 @@ def via_queue(settings: Settings, requests: list[BenchRequest], rounds: int, jso
             json.dump({"runs": [r.__dict__ for r in results], "ratio": ratio}, f, indent=1)
 
 
+def run_stages(settings: Settings, requests: list[BenchRequest], stages: int) -> Result:
+    """The offline engine as ``stages`` processes of one thread each; notes each stage's busy share and the overlap."""
+    engine = LLMEngine(settings.model_copy(update={"pipeline_stages": stages, "num_threads": 1}))
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        engine.stats.__init__()
+        if stages > 1:
+            engine.executor.reset_busy()
+        start, clock_start = time.perf_counter(), time.monotonic()
+        outs = engine.generate([r.prompt_token_ids for r in requests], [params_for(r) for r in requests])
+        seconds, clock_end = time.perf_counter() - start, time.monotonic()
+        busy = engine.executor.busy_report(clock_start, clock_end) if stages > 1 else None
+    finally:
+        engine.shutdown()
+    produced = sum(len(o.output_token_ids) for o in outs)
+    assert produced == sum(r.output_len for r in requests), "engine produced the wrong number of tokens"
+    extra = f"micro-batches={engine.stats.steps}"
+    if busy:
+        extra += (" busy per stage=" + "/".join(f"{b:.0%}" for b in busy["busy"])
+                  + f" both busy={busy['overlap']:.0%} of wall time")
+    return Result(f"{stages} stage(s) x 1 thread", len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                  produced, seconds, extra)
+
+
+def compare_stages(settings: Settings, requests: list[BenchRequest], stages: int, rounds: int,
+                   json_path: str | None) -> None:
+    results: list[Result] = []
+    for i in range(rounds):
+        for n in (1, stages) if i % 2 == 0 else (stages, 1):
+            results.append(run_stages(settings, requests, n))
+            print(results[-1].row(), flush=True)
+            gc.collect()
+    print("\n| system | requests | seconds | requests/s | output tok/s | total tok/s | notes |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(r.row())
+    one = [r for r in results if r.name.startswith("1 ")]
+    many = [r for r in results if not r.name.startswith("1 ")]
+    speedup = (sum(r.output_tokens for r in many) / sum(r.seconds for r in many)) / (
+        sum(r.output_tokens for r in one) / sum(r.seconds for r in one))
+    print(f"\noutput tok/s, {stages} stages / 1 stage ({rounds} run(s) each, one thread per process): {speedup:.2f}x")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"runs": [r.__dict__ for r in results], "speedup": speedup}, f, indent=1)
+
+
 def run_hf(model_path, tokenizer, requests: list[BenchRequest], batch_size: int) -> Result:
     from transformers import AutoModelForCausalLM
 
@@ -156,8 +203,11 @@ def main() -> None:
     ap.add_argument("--via-queue", action="store_true",
                     help="compare with the full queue pipeline (embedded Redis + worker processes) instead of HF")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="with --via-queue: this many offline and queued runs each, alternating (AB BA AB ...) "
+                    help="with --via-queue / --pipeline-stages: this many runs of each side, alternating (AB BA AB ...) "
                          "so a drift in machine load hits both sides alike")
+    ap.add_argument("--pipeline-stages", type=int, default=None,
+                    help="compare 1 stage with this many (each process one CPU thread) instead of HF; "
+                         "--rounds alternates them")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -173,6 +223,9 @@ def main() -> None:
 
     if args.via_queue:
         via_queue(settings, requests, args.rounds, args.json)
+        return
+    if args.pipeline_stages:
+        compare_stages(settings, requests, args.pipeline_stages, args.rounds, args.json)
         return
     results = [run_engine(settings, requests)]
     print(results[-1].row(), flush=True)

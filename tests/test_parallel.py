@@ -18,11 +18,11 @@ import time
 from collections import Counter
 
 import pytest
+from engine_fixtures import engine as cached_engine
 from engine_fixtures import fresh_engine, greedy, settings, sharegpt_prompts
 
 from pagedq.config import Settings
 from pagedq.config.names import Names
-from pagedq.config.redis_server import redis_client
 from pagedq.workers.block_manager import BlockManager
 from pagedq.workers.distributed import ParallelConfig, balanced_split, free_port, layer_ranges, overlap_report
 from pagedq.workers.engine import LLMEngine
@@ -35,15 +35,20 @@ NEW_TOKENS = 48
 TOP = 5
 
 
+# One torch thread per process everywhere: on a 2-core machine shared with other work, a step whose
+# OpenMP threads wait for a descheduled sibling can take 10x longer.
+THREADS = 1
+
+
 @functools.lru_cache(maxsize=1)
 def reference() -> list:
     """The one-process engine's greedy tokens, with top-5 logprobs for the tensor-parallel check."""
-    engine = fresh_engine()
+    engine = fresh_engine(num_threads=THREADS)
     return engine.generate(sharegpt_prompts(), greedy(NEW_TOKENS, logprobs=TOP))
 
 
 def replica(**overrides) -> LLMEngine:
-    return LLMEngine(settings(**overrides))
+    return LLMEngine(settings(num_threads=THREADS, **overrides))
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +186,7 @@ def test_seeded_sampling_and_penalties_match_one_process(two_stages):
     prompts = sharegpt_prompts()[:6]
     params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i, repetition_penalty=1.2,
                              frequency_penalty=0.3, ignore_eos=True) for i in range(len(prompts))]
-    expected = [o.output_token_ids for o in fresh_engine().generate(prompts, params)]
+    expected = [o.output_token_ids for o in fresh_engine(num_threads=THREADS).generate(prompts, params)]
     assert [o.output_token_ids for o in two_stages.generate(prompts, params)] == expected
 
 
@@ -261,11 +266,12 @@ QUEUE_TOKENS = 64
 @pytest.fixture(scope="module")
 def queue_settings(redis_url) -> Settings:
     return Settings(broker_url=redis_url, key_prefix="pqp:", queue_prefix="pqp.", kv_cache_memory="256MiB",
-                    max_num_seqs=64, max_num_batched_tokens=512, progress_interval_s=0.5)
+                    max_num_seqs=64, max_num_batched_tokens=512, progress_interval_s=0.5, num_threads=THREADS)
 
 
 def queue_reference(n: int) -> list[list[int]]:
-    return [o.output_token_ids for o in fresh_engine().generate(sharegpt_prompts()[:n], greedy(QUEUE_TOKENS))]
+    engine = fresh_engine(num_threads=THREADS)
+    return [o.output_token_ids for o in engine.generate(sharegpt_prompts()[:n], greedy(QUEUE_TOKENS))]
 
 
 def submit_all(client, n: int) -> list[str]:
@@ -283,6 +289,7 @@ class DoneCounter:
     """Counts terminal-state publications per job (a job published twice would count 2)."""
 
     def __init__(self, r, names: Names) -> None:
+        self.r = r  # keep the client alive: collecting it closes the subscription's connection
         self.counts: Counter = Counter()
         self.prefix = names.done_channel("")
         self.pubsub = r.pubsub(ignore_subscribe_messages=True)
@@ -320,7 +327,7 @@ def test_separately_started_stages_serve_queue_jobs(queue_settings, tmp_path):
             stack.wait_ready(TIMEOUT, [gpu])
             assert stage.poll() is None, log_path.read_text()
             jobs = submit_all(client, n)
-            tokenizer = fresh_engine().tokenizer
+            tokenizer = cached_engine().tokenizer
             for job, tokens in zip(jobs, expected, strict=True):
                 result = client.result(job, timeout=TIMEOUT)
                 assert result["usage"]["completion_tokens"] == QUEUE_TOKENS
@@ -346,7 +353,7 @@ def test_killed_stage_every_job_completes_exactly_once(queue_settings, tmp_path)
     stages = {"PAGEDQ_PIPELINE_STAGES": "2"}
     with Stack(queue_settings, gpu_workers=0, cpu_workers=1, log_dir=tmp_path) as stack, \
             Client(queue_settings, stack.url) as client:
-        counter = DoneCounter(redis_client(stack.url), client.names)
+        counter = DoneCounter(client.r, client.names)
         first = stack.add_worker("gpu", stages)
         stack.wait_ready(TIMEOUT, [first])
         jobs = submit_all(client, n)
@@ -364,7 +371,7 @@ def test_killed_stage_every_job_completes_exactly_once(queue_settings, tmp_path)
 
         second = stack.add_worker("gpu", stages)  # the restarted replica
         stack.wait_ready(TIMEOUT, [second])
-        tokenizer = fresh_engine().tokenizer
+        tokenizer = cached_engine().tokenizer
         for job, tokens in zip(jobs, expected, strict=True):
             result = client.result(job, timeout=TIMEOUT)
             assert result["choices"][0]["text"] == expected_text(tokenizer, tokens)

@@ -3,8 +3,13 @@
 Global rank ``r`` is shard ``r % T`` of stage ``r // T`` (``S`` stages, ``T``
 shards each, ``S * T`` processes).  Rank 0 is the driver: it runs the engine
 and the scheduler, and is shard 0 of stage 0.  Processes rendezvous over TCP
-(``init_process_group(init_method="tcp://HOST:PORT")``, rank 0 hosts the
-store), so stages may live on different hosts; gloo on CPU, NCCL on CUDA.
+through a ``TCPStore`` that rank 0 hosts at ``HOST:PORT``, so stages may live
+on different hosts; gloo on CPU, NCCL on CUDA.
+
+The process groups are built from that store directly rather than through
+``init_process_group``: the global default group is one per process, and an
+engine is a library object (a test or a benchmark may drive two replicas,
+one after the other or at once).
 
 Between processes everything travels as tensors through ``torch.distributed``
 point-to-point calls; structured data (sampling parameters, sampled tokens,
@@ -138,7 +143,20 @@ class Replica:
     device: torch.device
     comm_device: torch.device  # where tensors handed to torch.distributed live
     spec: ReplicaSpec
-    shard_group: object | None = None
+    world: object  # the replica's process group (every rank)
+    shard_group: object | None = None  # this stage's shards (tensor parallelism), ranked by shard
+    store: object | None = None  # the rendezvous store; rank 0 hosts it, so it must live as long
+
+    def close(self, failed: bool = False) -> None:
+        """Release the process groups; ``failed``: a peer is gone, so abort instead of a clean shutdown
+        (shutting down a group with a dead peer leaves gloo threads behind that abort the process at exit)."""
+        for group in (self.shard_group, self.world):
+            if group is not None:
+                try:
+                    group.abort() if failed else group.shutdown()
+                except RuntimeError as e:
+                    log.debug("closing a process group: %s", e)
+        self.world = self.shard_group = self.store = None
 
     @property
     def stage(self) -> int:
@@ -182,11 +200,20 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def new_group(store, rank: int, size: int, backend: str, timeout: timedelta):
+    """A standalone process group over ``store`` (not registered as torch.distributed's default)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
 def init_replica(rank: int, world_size: int, master: str, device: torch.device, timeout_s: float,
                  spec: ReplicaSpec | None = None, children: Sequence[subprocess.Popen] = ()) -> Replica:
     """Join the replica at ``master`` ("HOST:PORT"); rank 0 passes ``spec``, the others receive it.
 
-    Rank 0 hosts a TCPStore on PORT; the others connect to it (retrying until
+    Rank 0 hosts the TCPStore on PORT; the others connect to it (retrying until
     the timeout, so they may start first) and announce themselves.  Rank 0
     waits for all of them, failing early if a process it spawned dies.
     """
@@ -202,21 +229,18 @@ def init_replica(rank: int, world_size: int, master: str, device: torch.device, 
         _wait_for_ranks(store, world_size, children, timeout_s)
     else:
         store.set(f"pagedq/joined/{rank}", "1")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    world = new_group(dist.PrefixStore("pagedq/world", store), rank, world_size, backend, timeout)
     comm_device = device if backend == "nccl" else torch.device("cpu")
-    spec = _broadcast_spec(spec, comm_device)
+    spec = _share_spec(world, rank, world_size, spec, comm_device)
     parallel = spec.parallel
     if parallel.world_size != world_size:
         raise ValueError(f"the driver runs {parallel.world_size} processes, this one was told {world_size}")
     shard_group = None
     if parallel.tensor_parallel > 1:
-        # Every process creates every group, in the same order (new_group is collective).
-        for stage in range(parallel.pipeline_stages):
-            ranks = [parallel.rank_of(stage, t) for t in range(parallel.tensor_parallel)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                shard_group = group
-    return Replica(rank, parallel, device, comm_device, spec, shard_group)
+        stage = parallel.stage_of(rank)
+        shard_group = new_group(dist.PrefixStore(f"pagedq/stage{stage}", store), parallel.shard_of(rank),
+                                parallel.tensor_parallel, backend, timeout)
+    return Replica(rank, parallel, device, comm_device, spec, world, shard_group, store)
 
 
 def _wait_for_ranks(store, world_size: int, children: Sequence[subprocess.Popen], timeout_s: float) -> None:
@@ -231,26 +255,22 @@ def _wait_for_ranks(store, world_size: int, children: Sequence[subprocess.Popen]
         time.sleep(0.05)
 
 
-def _broadcast_spec(spec: ReplicaSpec | None, comm_device: torch.device) -> ReplicaSpec:
-    size = torch.zeros(1, dtype=torch.int64, device=comm_device)
-    payload = None
-    if spec is not None:
+def _share_spec(world, rank: int, world_size: int, spec: ReplicaSpec | None,
+                comm_device: torch.device) -> ReplicaSpec:
+    if rank == 0:
         payload = encode_json(dataclasses.asdict(spec), comm_device)
-        size[0] = payload.numel()
-    dist.broadcast(size, 0)
-    if payload is None:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=comm_device)
-    dist.broadcast(payload, 0)
-    if spec is not None:
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=comm_device)
+        for r in range(1, world_size):
+            world.send([size], r, 0).wait()
+            world.send([payload], r, 0).wait()
         return spec
+    size = torch.empty(1, dtype=torch.int64, device=comm_device)
+    world.recv([size], 0, 0).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=comm_device)
+    world.recv([payload], 0, 0).wait()
     raw = decode_json(payload)
     raw["layer_ranges"] = [tuple(r) for r in raw["layer_ranges"]]
     return ReplicaSpec(**raw)
-
-
-def shutdown_replica() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # --- messages -----------------------------------------------------------------
@@ -287,7 +307,8 @@ class Link:
     complete.  A message is a fixed int64 header, then its non-empty parts.
     """
 
-    def __init__(self, comm_device: torch.device, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, group, comm_device: torch.device, hidden_size: int, dtype: torch.dtype) -> None:
+        self.group = group
         self.device = comm_device
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -298,12 +319,13 @@ class Link:
         header = torch.tensor([msg.kind, _numel(msg.plan), _numel(msg.control),
                                0 if msg.hidden is None else msg.hidden.shape[0]], dtype=torch.int64)
         for t in [header.to(self.device), *(p.to(self.device) for p in parts)]:
-            self._pending.append((dist.isend(t.contiguous(), peer), t))
+            t = t.contiguous()
+            self._pending.append((self.group.send([t], peer, 0), t))
         self._reap()
 
     def recv(self, peer: int) -> Message:
         header = torch.empty(4, dtype=torch.int64, device=self.device)
-        dist.recv(header, peer)
+        self.group.recv([header], peer, 0).wait()
         kind, n_plan, n_control, n_rows = header.tolist()
         msg = Message(kind)
         if n_plan:
@@ -316,7 +338,7 @@ class Link:
 
     def _recv(self, peer: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(t, peer)
+        self.group.recv([t], peer, 0).wait()
         return t
 
     def _reap(self) -> None:
@@ -341,7 +363,8 @@ class BusyLog:
     _start: float | None = None
 
     def begin(self) -> None:
-        self._start = time.monotonic()
+        if self._start is None:
+            self._start = time.monotonic()
 
     def end(self) -> None:
         if self._start is not None:

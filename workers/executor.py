@@ -11,6 +11,7 @@ flight so the stages compute at the same time.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -37,7 +38,6 @@ from pagedq.workers.distributed import (
     init_replica,
     layer_ranges,
     overlap_report,
-    shutdown_replica,
 )
 from pagedq.workers.model import CausalLM, ModelConfig, Shard
 from pagedq.workers.model_runner import ModelRunner, kv_cache_block_bytes
@@ -118,7 +118,7 @@ class PipelineExecutor:
         self.runner = runner
         self.children = children
         self.max_inflight = self.parallel.pipeline_stages
-        self.link = Link(replica.comm_device, runner.model.cfg.hidden_size, runner.dtype)
+        self.link = Link(replica.world, replica.comm_device, runner.model.cfg.hidden_size, runner.dtype)
         self.busy = BusyLog()
         self._inflight: deque[tuple[SchedulerOutput, list[Sequence], SamplerOutput | None]] = deque()
         self._known: set[str] = set()  # request ids the sampling rank has a copy of
@@ -145,6 +145,11 @@ class PipelineExecutor:
                            block_size=settings.block_size, dtype=settings.dtype,
                            attention_backend=settings.attention_backend, timeout_s=settings.stage_timeout_s)
         master = settings.stage_master or f"127.0.0.1:{free_port()}"
+        if not settings.stage_master and device.type == "cpu" and not settings.num_threads:
+            # All processes share this host's cores; more threads than cores stalls every all-reduce.
+            threads = max(1, len(os.sched_getaffinity(0)) // parallel.world_size)
+            settings = settings.model_copy(update={"num_threads": threads})
+            torch.set_num_threads(threads)
         children = [] if settings.stage_master else [
             spawn_stage(r, master, model, settings) for r in range(1, parallel.world_size)]
         try:
@@ -294,7 +299,7 @@ class PipelineExecutor:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        shutdown_replica()
+        self.replica.close(failed=self._failure is not None)
 
 
 def encode_sampled(sampled: SamplerOutput) -> dict:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
@@ -255,7 +254,7 @@ class CausalLM:
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel product over this stage's shards (a no-op unsharded)."""
         if self.tp_group is not None:
-            dist.all_reduce(partial, group=self.tp_group)
+            self.tp_group.allreduce([partial]).wait()
         return partial
 
     def _attention(self, layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

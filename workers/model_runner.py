@@ -125,7 +125,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         shape = (num_blocks, block_size, model.num_kv_heads, model.cfg.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        # Zeroed, not empty: attention masks the unused slots of a gathered block, but a NaN left
+        # there by recycled memory still poisons the output (0 * NaN).
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in model.layers]
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:

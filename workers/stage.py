@@ -28,7 +28,6 @@ from pagedq.workers.distributed import (
     decode_json,
     encode_json,
     init_replica,
-    shutdown_replica,
 )
 from pagedq.workers.executor import encode_sampled
 from pagedq.workers.model import CausalLM, ModelConfig, load_weights
@@ -44,7 +43,7 @@ class StageWorker:
     def __init__(self, replica: Replica, runner: ModelRunner) -> None:
         self.replica = replica
         self.runner = runner
-        self.link = Link(replica.comm_device, runner.model.cfg.hidden_size, runner.dtype)
+        self.link = Link(replica.world, replica.comm_device, runner.model.cfg.hidden_size, runner.dtype)
         self.samples = replica.is_last_stage and replica.shard_rank == 0
         self.seqs: dict[str, Sequence] = {}  # the sampling rank's copies: parameters, tokens, seeded generator
         self.busy = BusyLog()
@@ -115,13 +114,15 @@ def run_stage(rank: int, stages: int, tensor_parallel: int, master: str, model: 
         torch.set_num_threads(threads)
     dev = stage_device(device or settings.device, rank)
     replica = init_replica(rank, stages * tensor_parallel, master, dev, settings.stage_timeout_s)
+    failed = True
     try:
         runner = load_stage(replica, model or replica.spec.model, settings)
         log.info("rank %d: stage %d shard %d, layers %s on %s", rank, replica.stage, replica.shard_rank,
                  replica.layer_range, dev)
         StageWorker(replica, runner).serve()
+        failed = False
     finally:
-        shutdown_replica()
+        replica.close(failed)
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
