@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -57,24 +59,60 @@ def params_for(req: BenchRequest) -> SamplingParams:
     return SamplingParams(max_tokens=req.output_len, temperature=0, ignore_eos=True)
 
 
+class LoadMeter:
+    """CPU that processes other than this one and its children used meanwhile, in cores (Linux /proc).
+
+    On a shared machine a wall-clock ratio is only meaningful when both sides saw little of it.
+    """
+
+    def __init__(self) -> None:
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self.start = self._sample()
+
+    @staticmethod
+    def _busy_ticks() -> int:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait (guest time is in user)
+
+    @staticmethod
+    def _own_ticks() -> int:
+        me, total = os.getpid(), 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                pid, rest = stat.read_text().split(" (", 1)
+                fields = rest.rsplit(") ", 1)[1].split()
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            if int(pid) == me or int(fields[1]) == me:  # this process and its children (redis, workers)
+                total += int(fields[11]) + int(fields[12])
+        return total
+
+    def _sample(self) -> tuple[float, int, int]:
+        return time.perf_counter(), self._busy_ticks(), self._own_ticks()
+
+    def other_cores(self) -> float:
+        t1, busy1, own1 = self._sample()
+        t0, busy0, own0 = self.start
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / self.hz / (t1 - t0))
+
+
 def run_engine(settings: Settings, requests: list[BenchRequest], name: str = "pagedq engine") -> Result:
     engine = LLMEngine(settings)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     engine.stats.__init__()
-    start = time.perf_counter()
+    start, meter = time.perf_counter(), LoadMeter()
     outs = engine.generate([r.prompt_token_ids for r in requests], [params_for(r) for r in requests])
-    seconds = time.perf_counter() - start
+    seconds, other = time.perf_counter() - start, meter.other_cores()
     produced = sum(len(o.output_token_ids) for o in outs)
     assert produced == sum(r.output_len for r in requests), "engine produced the wrong number of tokens"
     st = engine.stats
     extra = (f"steps={st.steps} preemptions={st.preemptions} kv_waste={st.kv_waste_fraction:.1%} "
-             f"prefix_hit={st.prefix_hit_rate:.1%}")
+             f"prefix_hit={st.prefix_hit_rate:.1%} other load={other:.2f} cores")
     return Result(name, len(requests), sum(len(r.prompt_token_ids) for r in requests), produced, seconds, extra)
 
 
 def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
     import tempfile
-    from pathlib import Path
 
     from pagedq.pipeline.client import Client
     from pagedq.pipeline.stack import Stack
@@ -87,17 +125,18 @@ def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
         lines = [{"custom_id": str(i), "url": "/v1/chat/completions",
                   "body": {"messages": r.messages, "max_tokens": r.output_len, "temperature": 0, "ignore_eos": True}}
                  for i, r in enumerate(requests)]
-        start = time.perf_counter()
+        start, meter = time.perf_counter(), LoadMeter()
         batch = client.submit_batch(lines)
         client.wait_batch(batch, poll_s=0.1)
-        seconds = time.perf_counter() - start
+        seconds, other = time.perf_counter() - start, meter.other_cores()
         out = client.batch_results(batch)
         stats = client.r.hgetall(client.names.worker(next(c.hostname for c in stack.children if c.role == "gpu")))
     produced = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
     assert produced == sum(r.output_len for r in requests), "the queue produced the wrong number of tokens"
     prompt_tokens = sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
     assert prompt_tokens == sum(len(r.prompt_token_ids) for r in requests), "preprocess tokenized differently"
-    extra = f"steps={int(stats['steps']) - 1} preemptions={stats['preemptions']} (redis + GPU worker + CPU worker)"
+    extra = (f"steps={int(stats['steps']) - 1} preemptions={stats['preemptions']} other load={other:.2f} cores "
+             "(redis + GPU worker + CPU worker)")
     return Result("pagedq via queue", len(requests), prompt_tokens, produced, seconds, extra)
 
 
