@@ -90,10 +90,12 @@ class LoadMeter:
     def _sample(self) -> tuple[float, int, int]:
         return time.perf_counter(), self._busy_ticks(), self._own_ticks()
 
-    def other_cores(self) -> float:
+    def read(self) -> str:
+        """'cpu=<seconds ours> other load=<cores>' since construction."""
         t1, busy1, own1 = self._sample()
         t0, busy0, own0 = self.start
-        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / self.hz / (t1 - t0))
+        other = max(0.0, ((busy1 - busy0) - (own1 - own0)) / self.hz / (t1 - t0))
+        return f"cpu={(own1 - own0) / self.hz:.0f}s other load={other:.2f} cores"
 
 
 def run_engine(settings: Settings, requests: list[BenchRequest], name: str = "pagedq engine") -> Result:
@@ -102,12 +104,12 @@ def run_engine(settings: Settings, requests: list[BenchRequest], name: str = "pa
     engine.stats.__init__()
     start, meter = time.perf_counter(), LoadMeter()
     outs = engine.generate([r.prompt_token_ids for r in requests], [params_for(r) for r in requests])
-    seconds, other = time.perf_counter() - start, meter.other_cores()
+    seconds, load = time.perf_counter() - start, meter.read()
     produced = sum(len(o.output_token_ids) for o in outs)
     assert produced == sum(r.output_len for r in requests), "engine produced the wrong number of tokens"
     st = engine.stats
     extra = (f"steps={st.steps} preemptions={st.preemptions} kv_waste={st.kv_waste_fraction:.1%} "
-             f"prefix_hit={st.prefix_hit_rate:.1%} other load={other:.2f} cores")
+             f"prefix_hit={st.prefix_hit_rate:.1%} {load}")
     return Result(name, len(requests), sum(len(r.prompt_token_ids) for r in requests), produced, seconds, extra)
 
 
@@ -128,15 +130,14 @@ def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
         start, meter = time.perf_counter(), LoadMeter()
         batch = client.submit_batch(lines)
         client.wait_batch(batch, poll_s=0.1)
-        seconds, other = time.perf_counter() - start, meter.other_cores()
+        seconds, load = time.perf_counter() - start, meter.read()
         out = client.batch_results(batch)
         stats = client.r.hgetall(client.names.worker(next(c.hostname for c in stack.children if c.role == "gpu")))
     produced = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
     assert produced == sum(r.output_len for r in requests), "the queue produced the wrong number of tokens"
     prompt_tokens = sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
     assert prompt_tokens == sum(len(r.prompt_token_ids) for r in requests), "preprocess tokenized differently"
-    extra = (f"steps={int(stats['steps']) - 1} preemptions={stats['preemptions']} other load={other:.2f} cores "
-             "(redis + GPU worker + CPU worker)")
+    extra = f"steps={int(stats['steps']) - 1} preemptions={stats['preemptions']} {load} (redis + GPU + CPU worker)"
     return Result("pagedq via queue", len(requests), prompt_tokens, produced, seconds, extra)
 
 
