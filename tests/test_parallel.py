@@ -301,6 +301,8 @@ class DoneCounter:
 
     def stop(self) -> None:
         self.thread.stop()
+        self.thread.join(timeout=5)
+        self.pubsub.close()
 
 
 def stage_command(rank: int, stages: int, master: str) -> list[str]:

@@ -151,11 +151,12 @@ class Replica:
         """Release the process groups; ``failed``: a peer is gone, so abort instead of a clean shutdown
         (shutting down a group with a dead peer leaves gloo threads behind that abort the process at exit)."""
         for group in (self.shard_group, self.world):
-            if group is not None:
-                try:
-                    group.abort() if failed else group.shutdown()
-                except RuntimeError as e:
-                    log.debug("closing a process group: %s", e)
+            if group is None:
+                continue
+            try:
+                group.abort() if failed else group.shutdown()
+            except RuntimeError as e:
+                log.debug("closing a process group: %s", e)
         self.world = self.shard_group = self.store = None
 
     @property

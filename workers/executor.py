@@ -126,7 +126,7 @@ class PipelineExecutor:
         self._lock = threading.Lock()  # sends from the step thread and the keep-alive thread
         self._last_send = time.monotonic()
         self._failure: BaseException | None = None
-        self._closed = False
+        self._closed = threading.Event()
         self._pinger = threading.Thread(target=self._keep_alive, name="replica-ping", daemon=True)
         self._pinger.start()
 
@@ -246,8 +246,7 @@ class PipelineExecutor:
 
     def _keep_alive(self) -> None:
         """Ping idle links so a stage waiting for work does not hit the receive timeout."""
-        while not self._closed:
-            time.sleep(1.0)
+        while not self._closed.wait(1.0):
             if self._failure is not None or time.monotonic() - self._last_send < self.PING_INTERVAL_S:
                 continue
             try:
@@ -284,9 +283,10 @@ class PipelineExecutor:
             self.link.recv(rank)
 
     def shutdown(self) -> None:
-        if self._closed:
+        if self._closed.is_set():
             return
-        self._closed = True
+        self._closed.set()
+        self._pinger.join()  # a daemon thread still running at interpreter exit can abort the process
         if self._failure is None:
             try:
                 self._broadcast(Kind.STOP)
