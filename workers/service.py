@@ -71,9 +71,9 @@ class EngineService:
         """Add a job to the engine (raises InvalidRequestError); the engine sees it at its next step."""
         handle = Handle(job, params, task_id, stream=job.stream)
         with self._lock:
-            if job.job_id in self.handles:  # a redelivered copy of a job this worker is running
+            if job.job_id in self.handles:  # a redelivered copy of a job running here: ends with the original
                 handle.duplicate = True
-                handle.done.set()
+                handle.done = self.handles[job.job_id].done
                 return handle
             if self._stopping.is_set():
                 handle.requeue = True
