@@ -90,7 +90,7 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = Field(
         3600, ge=1, description="a job a worker took but never acked (worker killed) is redelivered after this")
     cpu_worker_concurrency: int = Field(1, ge=1, description="threads of a CPU (preprocess/postprocess) worker")
-    progress_interval_s: float = Field(5.0, gt=0, description="how often a GPU worker reports tokens so far")
+    progress_interval_s: float = Field(2.0, gt=0, description="how often a GPU worker reports tokens so far")
     model_wait_s: float = Field(600, ge=0, description="how long preprocess waits for a worker to serve a model")
 
     @field_validator("kv_cache_memory", "result_cache_max_bytes", mode="before")

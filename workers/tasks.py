@@ -98,7 +98,9 @@ class ProgressReporter(threading.Thread):
 
     def run(self) -> None:
         with self.app.connection_for_write() as conn:
-            dispatcher = self.app.events.Dispatcher(conn, hostname=self.hostname, enabled=True)
+            # Buffered: one broker message per report carries every task's event (Flower unpacks the list).
+            dispatcher = self.app.events.Dispatcher(conn, hostname=self.hostname, enabled=True,
+                                                    buffer_group=["task"], buffer_limit=1 << 30)
             while True:
                 time.sleep(self.interval_s)
                 try:
@@ -116,6 +118,7 @@ class ProgressReporter(threading.Thread):
                 dispatcher.send("task-progress", uuid=h.task_id, tokens=h.num_tokens,
                                 result=f"{h.num_tokens} tokens so far")
                 pipe.hset(self.names.job(h.job.job_id), "completion_tokens", h.num_tokens)
+        dispatcher.flush()
         pipe.execute()
         live = {h.task_id for h in handles}
         self.reported = {k: v for k, v in self.reported.items() if k in live}
