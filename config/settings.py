@@ -76,6 +76,8 @@ class Settings(BaseSettings):
         None, description="HOST:PORT of the replica's rendezvous; set = stages are started separately "
                           "(pagedq stage), unset = the driver spawns them on a free local port")
     stage_timeout_s: float = Field(600, gt=0, description="a replica process silent this long is taken as dead")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend between a replica's processes; auto = NCCL on CUDA, else gloo")
 
     # --- pipeline ----------------------------------------------------------
     result_ttl_s: int = Field(24 * 3600, ge=1)

@@ -197,8 +197,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, choice: str = "auto") -> str:
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if choice == "nccl" and device.type != "cuda":
+        raise ValueError("dist_backend=nccl needs a CUDA device")
+    return choice
 
 
 def new_group(store, rank: int, size: int, backend: str, timeout: timedelta):
@@ -211,15 +215,18 @@ def new_group(store, rank: int, size: int, backend: str, timeout: timedelta):
 
 
 def init_replica(rank: int, world_size: int, master: str, device: torch.device, timeout_s: float,
-                 spec: ReplicaSpec | None = None, children: Sequence[subprocess.Popen] = ()) -> Replica:
+                 spec: ReplicaSpec | None = None, children: Sequence[subprocess.Popen] = (),
+                 backend: str = "auto") -> Replica:
     """Join the replica at ``master`` ("HOST:PORT"); rank 0 passes ``spec``, the others receive it.
 
     Rank 0 hosts the TCPStore on PORT; the others connect to it (retrying until
     the timeout, so they may start first) and announce themselves.  Rank 0
     waits for all of them, failing early if a process it spawned dies.
     """
-    backend = backend_for(device)
+    backend = backend_for(device, backend)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     host, port = master.rsplit(":", 1)
     timeout = timedelta(seconds=timeout_s)

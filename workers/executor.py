@@ -104,7 +104,7 @@ def spawn_stage(rank: int, master: str, model: str, settings: Settings) -> subpr
            "--master", master, "--model", model, "--device", settings.device]
     if settings.num_threads:
         cmd += ["--threads", str(settings.num_threads)]
-    return spawn(cmd)
+    return spawn(cmd, env={"PAGEDQ_DIST_BACKEND": settings.dist_backend})
 
 
 class PipelineExecutor:
@@ -154,7 +154,7 @@ class PipelineExecutor:
             spawn_stage(r, master, model, settings) for r in range(1, parallel.world_size)]
         try:
             replica = init_replica(0, parallel.world_size, master, device, settings.stage_timeout_s, spec,
-                                   children=children)
+                                   children=children, backend=settings.dist_backend)
         except BaseException:
             for child in children:
                 child.kill()
@@ -189,17 +189,19 @@ class PipelineExecutor:
         inputs = self.runner.prepare(sched)
         seqs = inputs.sample_seqs
         control = encode_json(self._control(seqs), self.replica.comm_device) if p.pipeline_stages > 1 else None
-        with self._lock:
-            for shard in range(1, p.tensor_parallel):
-                self.link.send(shard, Message(Kind.BATCH, inputs.packed, control))
+        for shard in range(1, p.tensor_parallel):
+            self._send(shard, Message(Kind.BATCH, inputs.packed, control))
         hidden = self.runner.forward(inputs)
         if p.pipeline_stages == 1:
             self._inflight.append((sched, seqs, self.runner.sample(hidden, inputs, seqs)))
             return
-        with self._lock:
-            self.link.send(self.replica.downstream, Message(Kind.BATCH, inputs.packed, control, hidden))
-            self._last_send = time.monotonic()
+        self._send(self.replica.downstream, Message(Kind.BATCH, inputs.packed, control, hidden))
         self._inflight.append((sched, seqs, None))
+
+    def _send(self, peer: int, msg: Message) -> None:
+        with self._lock:
+            self.link.send(peer, msg)
+            self._last_send = time.monotonic()
 
     def _control(self, seqs: list[Sequence]) -> dict:
         """What the sampling rank needs beyond hidden states: new sequences' prompts and parameters."""
@@ -256,13 +258,10 @@ class PipelineExecutor:
 
     def _broadcast(self, kind: int) -> None:
         """Send a bare message down every link the driver feeds (it travels on through the stages)."""
-        with self._lock:
-            p = self.parallel
-            for shard in range(1, p.tensor_parallel):
-                self.link.send(shard, Message(kind))
-            if p.pipeline_stages > 1:
-                self.link.send(self.replica.downstream, Message(kind))
-            self._last_send = time.monotonic()
+        for shard in range(1, self.parallel.tensor_parallel):
+            self._send(shard, Message(kind))
+        if self.parallel.pipeline_stages > 1:
+            self._send(self.replica.downstream, Message(kind))
 
     # --- measurements -----------------------------------------------------------
     def busy_report(self, start: float, end: float) -> dict:
@@ -289,17 +288,23 @@ class PipelineExecutor:
         self._pinger.join()  # a daemon thread still running at interpreter exit can abort the process
         if self._failure is None:
             try:
+                while self._inflight:  # the last stage must hand its results over before it can stop
+                    self.collect()
                 self._broadcast(Kind.STOP)
                 self.link.flush()
-            except RuntimeError as e:
+            except (RuntimeError, ReplicaLostError) as e:
                 log.warning("stopping the replica: %s", e)
+        failed = self._failure is not None
+        if failed:  # closing our ends tells the surviving stages to exit
+            self.replica.close(failed=True)
         for child in self.children:
             try:
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        self.replica.close(failed=self._failure is not None)
+        if not failed:
+            self.replica.close()
 
 
 def encode_sampled(sampled: SamplerOutput) -> dict:

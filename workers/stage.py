@@ -113,7 +113,8 @@ def run_stage(rank: int, stages: int, tensor_parallel: int, master: str, model: 
     if threads:
         torch.set_num_threads(threads)
     dev = stage_device(device or settings.device, rank)
-    replica = init_replica(rank, stages * tensor_parallel, master, dev, settings.stage_timeout_s)
+    replica = init_replica(rank, stages * tensor_parallel, master, dev, settings.stage_timeout_s,
+                           backend=settings.dist_backend)
     failed = True
     try:
         runner = load_stage(replica, model or replica.spec.model, settings)
