@@ -56,6 +56,7 @@ if batch then
     redis.call('HSET', batch, 'state', 'completed', 'completed_at', now)
     redis.call('EXPIRE', batch, ttl)
     redis.call('EXPIRE', redis.call('HGET', batch, 'jobs_key'), ttl)
+    redis.call('PUBLISH', redis.call('HGET', batch, 'done_channel'), 'completed')
   end
 end
 if redis.call('HGET', KEYS[1], 'stream') == '1' then

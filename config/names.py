@@ -112,6 +112,10 @@ class Names:
         """Hash: counts and timestamps of a batch."""
         return f"{self.key_prefix}batch:{batch_id}"
 
+    def batch_done_channel(self, batch_id: str) -> str:
+        """Pub/sub channel that hears once when every job of the batch is final."""
+        return f"{self.key_prefix}batch-done:{batch_id}"
+
     def batch_jobs(self, batch_id: str) -> str:
         """List: the batch's job ids in input order."""
         return f"{self.key_prefix}batch:{batch_id}:jobs"

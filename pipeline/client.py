@@ -302,7 +302,7 @@ class Client:
         job_ids = [self._new_job_id() for _ in items]
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(bkey, mapping={"state": "in_progress", "total": len(items), "created_at": now(),
-                                 "jobs_key": jobs_key})
+                                 "jobs_key": jobs_key, "done_channel": self.names.batch_done_channel(batch_id)})
         if job_ids:
             pipe.rpush(jobs_key, *job_ids)
         for job_id, (custom_id, req, _url, err) in zip(job_ids, items, strict=True):
@@ -347,12 +347,16 @@ class Client:
                            request_counts={"total": total, "completed": counts["completed"],
                                            "failed": total - counts["completed"] - _pending(rec, total)})
 
-    def wait_batch(self, batch_id: str, timeout: float | None = None, poll_s: float = 0.25) -> BatchStatus:
+    def wait_batch(self, batch_id: str, timeout: float | None = None) -> BatchStatus:
+        """Block until every job of the batch is final (pub/sub, with a polling fallback)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not (status := self.batch_status(batch_id)).done:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"batch {batch_id} not done after {timeout} s")
-            time.sleep(poll_s)
+        with self.r.pubsub(ignore_subscribe_messages=True) as ps:
+            ps.subscribe(self.names.batch_done_channel(batch_id))
+            while not (status := self.batch_status(batch_id)).done:
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(f"batch {batch_id} not done after {timeout} s")
+                ps.get_message(timeout=left)
         return status
 
     def batch_results(self, batch_id: str, timeout: float | None = None) -> list[dict]:

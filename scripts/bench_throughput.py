@@ -129,7 +129,7 @@ def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
                  for i, r in enumerate(requests)]
         start, meter = time.perf_counter(), LoadMeter()
         batch = client.submit_batch(lines)
-        client.wait_batch(batch, poll_s=0.1)
+        client.wait_batch(batch)
         seconds, load = time.perf_counter() - start, meter.read()
         out = client.batch_results(batch)
         stats = client.r.hgetall(client.names.worker(next(c.hostname for c in stack.children if c.role == "gpu")))

@@ -2,8 +2,8 @@
 
 One GPU worker (``python -m pagedq.workers.serve``) and one CPU worker
 (``python -m pagedq.pipeline.tasks``) serve the whole module.  The GPU worker
-holds at most 9 jobs (``worker_max_inflight=9``, ``max_num_seqs=9``), so it is
-easy to saturate.  Everything uses the prefixes ``pqt:`` / ``pqt.`` on the
+holds at most 9 jobs (``worker_max_inflight=9``, ``max_num_seqs=9``); the
+priority test swaps in one that holds 4.  Everything uses the prefixes ``pqt:`` / ``pqt.`` on the
 session's Redis.
 """
 
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,19 @@ def client(settings, stack):
 
 def gpu_worker(stack: Stack):
     return next(c for c in stack.children if c.role == "gpu")
+
+
+@contextmanager
+def gpu_worker_with(stack: Stack, **env: str):
+    """Swap the module's GPU worker for one with other settings for the duration of a test."""
+    def swap(extra: dict[str, str]) -> None:
+        stack.stop_worker(gpu_worker(stack))
+        stack.wait_ready(TIMEOUT, [stack.add_worker("gpu", extra)])
+    swap({f"PAGEDQ_{k.upper()}": str(v) for k, v in env.items()})
+    try:
+        yield
+    finally:
+        swap({})
 
 
 def worker_stats(client: Client, stack: Stack) -> dict[str, str]:
@@ -291,17 +305,19 @@ def test_malformed_messages_are_logged_and_crash_nothing(client, stack):
 # --- priority, continuous batching, cancel ------------------------------------------------------
 def test_high_priority_job_overtakes_queued_low_priority_jobs(client, stack):
     wait_idle(client, stack)
-    lows = [client.submit(prompt="Count: 1, 2, 3,", max_tokens=32, priority=0, **GREEDY) for _ in range(100)]
-    high = client.submit(prompt="Say hi.", max_tokens=4, priority=9, **GREEDY)
-    client.result(high, timeout=TIMEOUT)
-    finished_at = client.status(high).completed_at
-    statuses = [client.status(j) for j in lows]
-    after = sum(1 for s in statuses if s.completed_at is None or s.completed_at > finished_at)
-    for j in lows:
-        client.cancel(j)
-    assert after >= 90, f"only {after} of 100 low-priority jobs completed after the high-priority one"
-    cancelled = [client.wait(j, TIMEOUT) for j in lows]
-    assert sum(s.state == "cancelled" for s in cancelled) >= 80  # the queued ones went at once
+    with gpu_worker_with(stack, worker_max_inflight=4, max_num_seqs=4):  # saturated by 4 jobs
+        lows = [client.submit(prompt="Count: 1, 2, 3,", max_tokens=32, priority=0, **GREEDY) for _ in range(100)]
+        high = client.submit(prompt="Say hi.", max_tokens=4, priority=9, **GREEDY)
+        client.result(high, timeout=TIMEOUT)
+        finished_at = client.status(high).completed_at
+        statuses = [client.status(j) for j in lows]
+        after = sum(1 for s in statuses if s.completed_at is None or s.completed_at > finished_at)
+        for j in lows:
+            client.cancel(j)
+        print(f"{after} of 100 low-priority jobs completed after the high-priority one")
+        assert after >= 90, f"only {after} of 100 low-priority jobs completed after the high-priority one"
+        cancelled = [client.wait(j, TIMEOUT) for j in lows]
+        assert sum(s.state == "cancelled" for s in cancelled) >= 80  # the queued ones went at once
 
 
 def test_short_job_joins_running_batch(client, stack):
@@ -312,7 +328,9 @@ def test_short_job_joins_running_batch(client, stack):
     wait_until(lambda: int(worker_stats(client, stack)["steps"]) >= steps + 3, 30, what="decode steps")
     short = client.submit(prompt="Hi", max_tokens=4, **GREEDY)
     assert client.result(short, timeout=TIMEOUT)["usage"]["completion_tokens"] == 4
-    states = [client.status(j).state for j in longs]
+    states = [client.status(j) for j in longs]
+    print(f"4-token job done while the long jobs had {[s.completion_tokens for s in states]} of 200 tokens")
+    states = [s.state for s in states]
     for j in longs:
         client.cancel(j)
     assert states == ["in_progress"] * 8, f"long jobs were not all still running: {states}"
@@ -329,6 +347,8 @@ def test_cancel_running_job_within_two_steps_frees_kv_blocks(client, stack):
     client.cancel(job)
     final = client.wait(job, 30)
     assert final.state == "cancelled" and final.cancelled_at is not None
+    print(f"cancelled {final.aborted_at_step - steps_at_cancel} engine step(s) after the request, "
+          f"{final.completion_tokens} tokens generated")
     assert final.aborted_at_step - steps_at_cancel <= 2
     assert final.completion_tokens < 400
     with pytest.raises(JobFailedError):
