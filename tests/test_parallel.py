@@ -119,25 +119,53 @@ def test_overlap_report_counts_time_with_two_busy():
     assert report["busy"] == [0.6, 0.6] and report["overlap"] == pytest.approx(0.2)
 
 
-def test_scheduler_never_touches_busy_sequences_and_splits_seats():
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=64)
-    seqs = [Sequence(str(i), [1, 2, 3], greedy(8)) for i in range(6)]
+def running_scheduler(num_seqs: int, num_blocks: int = 16) -> tuple[Scheduler, list[Sequence]]:
+    """A scheduler whose ``num_seqs`` sequences have computed their 3-token prompts and await a decode."""
+    sched = Scheduler(BlockManager(num_blocks, block_size=4, enable_prefix_caching=False), max_num_seqs=16,
+                      max_num_batched_tokens=64)
+    seqs = [Sequence(f"s{i}", [1, 2, 3], greedy(8)) for i in range(num_seqs)]
     for s in seqs:
         sched.add(s)
-    first = sched.schedule(max_seqs=3)
-    assert [s.request_id for s, _ in first.scheduled] == ["0", "1", "2"]
+    for s, n in sched.schedule().scheduled:
+        s.num_computed_tokens += n
+        s.token_ids.append(7)
+    return sched, seqs
+
+
+def ids(out) -> list[str]:
+    return [s.request_id for s, _ in out.scheduled]
+
+
+def test_micro_batches_split_the_running_sequences_evenly():
+    sched, _ = running_scheduler(5)
+    first = sched.schedule(max_running=3)
+    assert ids(first) == ["s0", "s1", "s2"]
+    second = sched.schedule({id(s) for s, _ in first.scheduled}, max_running=3)
+    assert ids(second) == ["s3", "s4"]
+
+
+def test_scheduler_never_schedules_or_preempts_busy_sequences():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=64)
+    low = [Sequence(f"low{i}", [1, 2, 3], greedy(8), priority=0) for i in range(3)]
+    for s in low:
+        sched.add(s)
+    first = sched.schedule()
     busy = {id(s) for s, _ in first.scheduled}
-    second = sched.schedule(busy, max_seqs=3)
-    assert [s.request_id for s, _ in second.scheduled] == ["3", "4", "5"]
-    # Every block is taken; the idle sequences need more, but busy ones must not be preempted for them.
+    high = [Sequence(f"high{i}", [1, 2, 3], greedy(8), priority=5) for i in range(3)]
+    for s in high:
+        sched.add(s)
+    second = sched.schedule(busy)
+    assert ids(second) == ["high0", "high1", "high2"]
+    # The busy sequences are now the least urgent running ones.  The urgent ones need a block each
+    # and the pool has 2 free: the third must give way itself, not a busy sequence.
     for s, n in second.scheduled:
         s.num_computed_tokens += n
         s.token_ids += [7, 7]
-    busy = {id(s) for s, _ in first.scheduled}
     third = sched.schedule(busy)
-    assert not {id(s) for s, _ in third.scheduled} & busy
-    assert all(s.status.value == "running" for s, _ in first.scheduled) and all(s.block_table for s, _ in first.scheduled)
+    assert ids(third) == ["high0", "high1"]
+    assert high[2].status.value == "waiting" and high[2].num_preemptions == 1
+    assert all(s.status.value == "running" and s.block_table for s in low)
 
 
 # --- pipeline stages ----------------------------------------------------------------------------
@@ -194,8 +222,12 @@ def test_abort_while_in_flight_frees_blocks_after_it_returns(two_stages):
     prompts = sharegpt_prompts()[:4]
     for i, p in enumerate(prompts):
         two_stages.add_request(f"abort-{i}", p, greedy(NEW_TOKENS))
-    two_stages.step()
-    busy = [s for s in two_stages.requests.values() if id(s) in two_stages._busy]
+    busy = []
+    for _ in range(4):  # the prompts run as one micro-batch; then their decodes split into two
+        two_stages.step()
+        busy = [s for s in two_stages.requests.values() if id(s) in two_stages._busy]
+        if busy:
+            break
     assert busy, "a micro-batch should still be in flight"
     two_stages.abort_request(busy[0].request_id)
     finished = {}

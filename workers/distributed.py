@@ -365,10 +365,12 @@ def _numel(t: torch.Tensor | None) -> int:
 # --- busy time ----------------------------------------------------------------
 @dataclass
 class BusyLog:
-    """Intervals (monotonic clock, shared by processes on one host) during which a process computed."""
+    """Intervals (monotonic clock, shared by processes on one host) during which a process computed,
+    and the CPU time it used (all its threads) since the last ``take``."""
 
     spans: list[tuple[float, float]] = field(default_factory=list)
     _start: float | None = None
+    _cpu_mark: float = field(default_factory=time.process_time)
 
     def begin(self) -> None:
         if self._start is None:
@@ -379,9 +381,10 @@ class BusyLog:
             self.spans.append((self._start, time.monotonic()))
             self._start = None
 
-    def take(self) -> list[tuple[float, float]]:
+    def take(self) -> dict:
         spans, self.spans = self.spans, []
-        return spans
+        cpu, self._cpu_mark = time.process_time() - self._cpu_mark, time.process_time()
+        return {"spans": spans, "cpu_s": cpu}
 
 
 def overlap_report(per_rank: list[list[tuple[float, float]]], start: float, end: float) -> dict:

@@ -250,12 +250,16 @@ class LLMEngine:
             return outputs
 
     def _micro_batch_seats(self) -> int | None:
-        """Sequences the next micro-batch may take: an even share of those not in flight."""
-        free = self.executor.max_inflight - self.executor.num_inflight
-        if self.executor.max_inflight == 1:
+        """Running sequences the next micro-batch may take: an even share of all of them.
+
+        A share of *all* running sequences, not of those not in flight: otherwise the micro-batch
+        that comes back first keeps every newcomer it admitted, its group grows, and the stages
+        wait on the big micro-batch.
+        """
+        slots = self.executor.max_inflight
+        if slots == 1:
             return None
-        idle = len(self.scheduler.running) + len(self.scheduler.waiting) - len(self._busy)
-        return max(1, -(-idle // free))
+        return max(1, -(-len(self.scheduler.running) // slots))
 
     def healthy(self) -> bool:
         """False once a process of this engine's replica has died (always True in one process)."""

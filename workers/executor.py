@@ -265,15 +265,18 @@ class PipelineExecutor:
 
     # --- measurements -----------------------------------------------------------
     def busy_report(self, start: float, end: float) -> dict:
-        """Busy share of every rank over ``[start, end]`` and the share with >= 2 busy at once (idle replica)."""
+        """Per rank: busy share of ``[start, end]`` and CPU seconds since ``reset_busy``; and the share of
+        the interval during which >= 2 ranks were busy at once.  Needs an idle replica."""
         if self._inflight:
             raise RuntimeError("busy_report needs an idle replica")
         self.busy.end()
-        spans = [self.busy.take()]
+        logs = [self.busy.take()]
         self._broadcast(Kind.STATS)
         for rank in range(1, self.parallel.world_size):
-            spans.append([tuple(s) for s in decode_json(self.link.recv(rank).control)])
-        return overlap_report(spans, start, end)
+            logs.append(decode_json(self.link.recv(rank).control))
+        report = overlap_report([[tuple(s) for s in log["spans"]] for log in logs], start, end)
+        report["cpu_s"] = [log["cpu_s"] for log in logs]
+        return report
 
     def reset_busy(self) -> None:
         self.busy.take()

@@ -13,8 +13,9 @@ arrival order under ``fcfs``.
 With pipeline stages several micro-batches are in flight at once.  A
 sequence in one of them is *busy*: its next token is not known yet, so it is
 neither scheduled nor preempted until its micro-batch comes back, and
-``max_seqs`` caps one micro-batch's share of the sequences so the running set
-splits across the micro-batches.
+``max_running`` caps how many running sequences one micro-batch takes, so the
+running set splits evenly across the micro-batches (admissions stay bounded by
+the token budget, so every micro-batch of a prefill-heavy phase fills it).
 """
 
 from __future__ import annotations
@@ -85,11 +86,11 @@ class Scheduler:
     def _least_urgent_idle(self, busy: Set[int]) -> Sequence | None:
         return next((s for s in reversed(self.running) if id(s) not in busy), None)
 
-    def schedule(self, busy: Set[int] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
+    def schedule(self, busy: Set[int] = frozenset(), max_running: int | None = None) -> SchedulerOutput:
         """Plan one step (one micro-batch); ``busy`` holds ``id()`` of sequences in flight."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        seats = max_seqs or len(self.running) + len(self.waiting)  # no cap unless asked
+        seats = max_running or len(self.running)  # no cap unless asked
         planned: dict[int, int] = {}  # id(seq) -> tokens this step
 
         # 1. Running sequences, most urgent first; preempt from the least urgent end when blocks run out.
@@ -113,7 +114,7 @@ class Scheduler:
             break
 
         # 2. Waiting sequences, unless this step already had to preempt.
-        while self.waiting and budget > 0 and not out.preempted and len(planned) < seats:
+        while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0][1]
             if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, out, busy):
                 break
