@@ -37,13 +37,18 @@ def spawn(cmd: list[str], log_path: Path | None = None, env: dict[str, str] | No
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30, sig: int = signal.SIGTERM) -> int | None:
-    """Signal, wait up to ``timeout``, then kill. Returns the exit code."""
+    """Signal once, wait up to ``timeout``, then kill. Returns the exit code."""
     if proc.poll() is None:
         proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("process %d did not stop in %.0f s; killing it", proc.pid, timeout)
-            proc.kill()
-            proc.wait()
+    return wait_or_kill(proc, timeout)
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float = 30) -> int | None:
+    # Never signal twice: a second SIGTERM lands inside Celery's warm shutdown and can abort it halfway.
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("process %d did not stop in %.0f s; killing it", proc.pid, timeout)
+        proc.kill()
+        proc.wait()
     return proc.returncode

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from pagedq.config.processes import spawn, stop
+from pagedq.config.processes import spawn, stop, wait_or_kill
 from pagedq.config.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -108,14 +108,14 @@ class RedisServer:
             return
         if self.write_run_file:
             (self.data_dir / RUN_FILE).unlink(missing_ok=True)
-        if self.proc.poll() is None:
-            try:  # SHUTDOWN flushes the append-only file before exiting
-                redis.Redis.from_url(self.url, socket_timeout=timeout).shutdown()
-            except (redis.ConnectionError, OSError):
-                pass  # the connection drops as the server exits
-            except redis.RedisError as e:
-                log.warning("redis SHUTDOWN failed (%s); terminating it", e)
-        stop(self.proc, timeout)
+        try:  # SHUTDOWN flushes the append-only file before exiting
+            redis.Redis.from_url(self.url, socket_timeout=timeout).shutdown()
+            wait_or_kill(self.proc, timeout)
+        except (redis.ConnectionError, OSError):
+            wait_or_kill(self.proc, timeout)  # the connection drops as the server exits
+        except redis.RedisError as e:
+            log.warning("redis SHUTDOWN failed (%s); terminating it", e)
+            stop(self.proc, timeout)
         self.proc = None
 
     def __enter__(self) -> RedisServer:

@@ -22,7 +22,7 @@ from subprocess import Popen
 
 from pagedq.config import Settings
 from pagedq.config.names import Names
-from pagedq.config.processes import spawn, stop
+from pagedq.config.processes import spawn, stop, wait_or_kill
 from pagedq.config.redis_server import ensure_broker, redis_client
 from pagedq.config.registry import live_workers
 
@@ -129,7 +129,8 @@ class Stack:
                 if child.proc.poll() is None:
                     child.proc.terminate()  # warm shutdown; all of a role stop in parallel
             for child in group:
-                self.stop_worker(child)
+                wait_or_kill(child.proc, 60)
+                self.children.remove(child)
         self._exit.close()
 
     def wait(self) -> Child:

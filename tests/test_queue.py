@@ -461,3 +461,63 @@ def test_worker_loss_returns_jobs_to_the_queue(redis_url, tmp_path: Path):
         result = client.result(job, timeout=TIMEOUT)
         assert result["usage"]["completion_tokens"] == 300
         assert client.status(job).attempts >= 3
+
+
+# --- the command line, on the embedded default ---------------------------------------------------
+def _leftovers(parent_pid: int, redis_dir: Path) -> list[str]:
+    """Processes a pagedq command started that are still alive: its workers, or a redis-server in its dir."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if f".{parent_pid}@" in cmdline or (cwd == str(redis_dir) and "redis-server" in cmdline):
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+def _embedded_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
+    return {**env, "PAGEDQ_REDIS_DIR": str(tmp_path / "redis"), "PAGEDQ_KV_CACHE_MEMORY": "128MiB",
+            "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_run_batch_cli_starts_and_stops_the_whole_stack(tmp_path):
+    lines = _batch_lines()
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedq.pipeline.cli", "run-batch", "-i",
+                             str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")],
+                            env=_embedded_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    out = [json.loads(ln) for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in out] == [json.loads(ln)["custom_id"] for ln in lines]
+    assert [x["response"]["status_code"] for x in out] == [200, 200, 400, 200, 200, 200]
+    assert (tmp_path / "redis" / "appendonly.aof").exists()  # the embedded broker persisted its data
+    assert not (tmp_path / "redis" / "redis.json").exists()
+    assert not _leftovers(proc.pid, tmp_path / "redis")
+
+
+def test_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
+    env = _embedded_env(tmp_path)
+    up = subprocess.Popen([sys.executable, "-m", "pagedq.pipeline.cli", "up", "--loglevel", "WARNING"], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in up.stderr:  # wait for the banner
+            if line.startswith("pagedq up:"):
+                break
+        else:
+            raise AssertionError(f"pagedq up exited with {up.wait()}")
+        # The client finds the running embedded broker through its run file.
+        done = subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "submit", "Say hi.", "--max-tokens", "4",
+                               "--wait", "--timeout", "120"], env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout)["usage"]["completion_tokens"] <= 4
+        assert _leftovers(up.pid, tmp_path / "redis")  # the stack is running
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(120)
+    assert code == 0
+    assert not _leftovers(up.pid, tmp_path / "redis")
