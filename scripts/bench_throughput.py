@@ -170,16 +170,16 @@ def run_stages(settings: Settings, requests: list[BenchRequest], stages: int) ->
         engine.stats.__init__()
         if stages > 1:
             engine.executor.reset_busy()
-        start, clock_start, cpu_start = time.perf_counter(), time.monotonic(), time.process_time()
+        start, clock_start, cpu_start, meter = time.perf_counter(), time.monotonic(), time.process_time(), LoadMeter()
         outs = engine.generate([r.prompt_token_ids for r in requests], [params_for(r) for r in requests])
-        seconds, clock_end = time.perf_counter() - start, time.monotonic()
+        seconds, clock_end, load = time.perf_counter() - start, time.monotonic(), meter.read()
         busy = engine.executor.busy_report(clock_start, clock_end) if stages > 1 else None
         cpu = busy["cpu_s"] if busy else [time.process_time() - cpu_start]
     finally:
         engine.shutdown()
     produced = sum(len(o.output_token_ids) for o in outs)
     assert produced == sum(r.output_len for r in requests), "engine produced the wrong number of tokens"
-    extra = f"micro-batches={engine.stats.steps} CPU s per process={'/'.join(f'{c:.0f}' for c in cpu)}"
+    extra = f"micro-batches={engine.stats.steps} CPU s per process={'/'.join(f'{c:.0f}' for c in cpu)} {load}"
     if busy:
         extra += (" busy per stage=" + "/".join(f"{b:.0%}" for b in busy["busy"])
                   + f" both busy={busy['overlap']:.0%} of wall time")
