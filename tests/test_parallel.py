@@ -111,7 +111,7 @@ def test_layer_split_charges_lm_head_to_the_last_stage():
     assert layer_ranges(cfg, 2, [10, 20]) == [(0, 10), (10, 30)]
     with pytest.raises(ValueError):
         layer_ranges(cfg, 2, [10, 10])
-    assert ParallelConfig(2, 2).rank_of(1, 1) == 3 and ParallelConfig(2, 2).last_stage_driver == 2
+    assert ParallelConfig(2, 2).rank_of(1, 1) == 3 and ParallelConfig(2, 2).sampler_rank == 2
 
 
 def test_overlap_report_counts_time_with_two_busy():

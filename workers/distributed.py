@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import IntEnum
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ class ParallelConfig:
         return stage * self.tensor_parallel + shard
 
     @property
-    def last_stage_driver(self) -> int:
+    def sampler_rank(self) -> int:
         """The rank that samples: shard 0 of the last stage."""
         return self.rank_of(self.pipeline_stages - 1, 0)
 
@@ -127,7 +128,6 @@ class ReplicaSpec:
     block_size: int
     dtype: str
     attention_backend: str
-    timeout_s: float
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -148,13 +148,15 @@ class Replica:
     store: object | None = None  # the rendezvous store; rank 0 hosts it, so it must live as long
 
     def close(self, failed: bool = False) -> None:
-        """Release the process groups; ``failed``: a peer is gone, so abort instead of a clean shutdown
-        (shutting down a group with a dead peer leaves gloo threads behind that abort the process at exit)."""
+        """Release the process groups: a clean shutdown, or an abort when a peer is gone (``failed``)."""
         for group in (self.shard_group, self.world):
             if group is None:
                 continue
             try:
-                group.abort() if failed else group.shutdown()
+                if failed:
+                    group.abort()
+                else:
+                    group.shutdown()
             except RuntimeError as e:
                 log.debug("closing a process group: %s", e)
         self.world = self.shard_group = self.store = None
@@ -291,7 +293,7 @@ def decode_json(t: torch.Tensor):
     return json.loads(t.cpu().numpy().tobytes())
 
 
-class Kind:
+class Kind(IntEnum):
     STOP = 0
     BATCH = 1  # a micro-batch: plan, control, hidden (from stage 1 on)
     RESULT = 2  # sampled tokens, back to the driver
@@ -302,7 +304,7 @@ class Kind:
 @dataclass
 class Message:
     kind: int
-    plan: torch.Tensor | None = None  # int64: the packed step inputs (see model_runner.pack_inputs)
+    plan: torch.Tensor | None = None  # int64: the packed step inputs (model_runner.pack_step)
     control: torch.Tensor | None = None  # uint8 JSON
     hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]
 
@@ -310,9 +312,10 @@ class Message:
 class Link:
     """Point-to-point messages over torch.distributed.
 
-    Sends are asynchronous (``isend``): the sender goes on computing while
-    the receiver takes the data; the tensors are held until their sends
-    complete.  A message is a fixed int64 header, then its non-empty parts.
+    Sends are asynchronous: the sender goes on computing while the receiver
+    takes the data, and the tensors are held until their sends complete.  A
+    message is a fixed int64 header (kind and part sizes), then its non-empty
+    parts, each one send.
     """
 
     def __init__(self, group, comm_device: torch.device, hidden_size: int, dtype: torch.dtype) -> None:

@@ -143,7 +143,7 @@ class PipelineExecutor:
         spec = ReplicaSpec(model=model, model_config=cfg.__dict__, pipeline_stages=parallel.pipeline_stages,
                            tensor_parallel=parallel.tensor_parallel, layer_ranges=ranges, num_blocks=num_blocks,
                            block_size=settings.block_size, dtype=settings.dtype,
-                           attention_backend=settings.attention_backend, timeout_s=settings.stage_timeout_s)
+                           attention_backend=settings.attention_backend)
         master = settings.stage_master or f"127.0.0.1:{free_port()}"
         if not settings.stage_master and device.type == "cpu" and not settings.num_threads:
             # All processes share this host's cores; more threads than cores stalls every all-reduce.
@@ -215,7 +215,7 @@ class PipelineExecutor:
         if sampled is None:
             self.busy.end()  # waiting for the last stage is not work
             try:
-                msg = self.link.recv(self.parallel.last_stage_driver)
+                msg = self.link.recv(self.parallel.sampler_rank)
             except RuntimeError as e:
                 raise self._lost(e) from e
             self.busy.begin()
