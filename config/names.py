@@ -120,6 +120,30 @@ class Names:
         """List: the batch's job ids in input order."""
         return f"{self.key_prefix}batch:{batch_id}:jobs"
 
+    # --- result cache (see result_cache.py) ----------------------------------
+    def result_cache_version(self, model: str) -> str:
+        """Counter: bumping it makes every earlier cache entry of the model unreachable."""
+        return f"{self.key_prefix}rcache:version:{model_slug(model)}"
+
+    def result_cache_entry(self, model: str, version: int, digest: str) -> str:
+        """String: a cached completion object, with a TTL."""
+        return f"{self.key_prefix}rcache:{model_slug(model)}:v{version}:{digest}"
+
+    @property
+    def result_cache_index(self) -> str:
+        """Sorted set: entry key -> insert time (oldest evicted first)."""
+        return f"{self.key_prefix}rcache:index"
+
+    @property
+    def result_cache_sizes(self) -> str:
+        """Hash: entry key -> bytes."""
+        return f"{self.key_prefix}rcache:sizes"
+
+    @property
+    def result_cache_bytes(self) -> str:
+        """Counter: bytes of all entries."""
+        return f"{self.key_prefix}rcache:bytes"
+
     # --- workers and models ---------------------------------------------------
     def model(self, model: str) -> str:
         """Hash: a served model's name, fingerprint, max_model_len, vocab_size."""

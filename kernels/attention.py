@@ -24,14 +24,21 @@ class TorchPagedAttention:
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         buckets = meta.plan.get("decode_buckets")
         if buckets is None:
-            buckets = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens, k_cache.shape[1])
+            buckets = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens, k_cache.shape[1],
+                                            q.dtype)
             meta.plan["decode_buckets"] = buckets
         return reference.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                           scale, buckets, self.workspace)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        buckets = meta.plan.get("prefill_buckets")
+        if buckets is None:
+            buckets = reference.plan_prefill(meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                             meta.prefill_block_tables, k_cache.shape[1], q.dtype)
+            meta.plan["prefill_buckets"] = buckets
         return reference.prefill_attention(q, k_cache, v_cache, meta.prefill_cu_seqlens_q,
-                                           meta.prefill_context_lens, meta.prefill_block_tables, scale)
+                                           meta.prefill_context_lens, meta.prefill_block_tables, scale, buckets,
+                                           self.workspace)
 
 
 def paged_attention(backend, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -34,10 +34,16 @@ class DecodeBucket:
     end: int
     num_blocks: int  # blocks gathered per sequence (the bucket's longest)
     block_ids: torch.Tensor  # [(end - start) * num_blocks]
-    key_mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] bool: True = attend
+    key_mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] additive: 0 = attend, -inf = not
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeBucket]:
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed, -inf elsewhere: built once per step, not converted in every layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                dtype: torch.dtype = torch.float32) -> list[DecodeBucket]:
     lens = context_lens.tolist()
     blocks_needed = [(n + block_size - 1) // block_size for n in lens]
     buckets: list[DecodeBucket] = []
@@ -52,7 +58,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
             low, high, end = new_low, new_high, end + 1
         table = block_tables[start:end, :high]
         positions = torch.arange(high * block_size, device=context_lens.device)
-        mask = positions[None, :] < context_lens[start:end, None]
+        mask = additive_mask(positions[None, :] < context_lens[start:end, None], dtype)
         buckets.append(DecodeBucket(start, end, high, table.reshape(-1), mask[:, None, None, :]))
         start = end
     return buckets
@@ -73,7 +79,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
     if buckets is None:
-        buckets = plan_decode(block_tables, context_lens, block_size)
+        buckets = plan_decode(block_tables, context_lens, block_size, q.dtype)
     out = torch.empty_like(q)
     for b in buckets:
         n, length = b.end - b.start, b.num_blocks * block_size
@@ -81,15 +87,64 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_rows = workspace.take(1, b.block_ids.numel(), v_cache) if workspace else None
         k = _gather(k_cache, b.block_ids, k_rows).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         v = _gather(v_cache, b.block_ids, v_rows).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[b.start:b.end].unsqueeze(2), k, v, attn_mask=b.key_mask,
-                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
-        out[b.start:b.end] = o.squeeze(2)
+        # The query heads sharing a KV head become that head's "query rows": each K/V block is read once.
+        q_groups = q[b.start:b.end].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q_groups, k, v, attn_mask=b.key_mask, scale=scale)
+        out[b.start:b.end] = o.reshape(n, num_heads, head_dim)
     return out
+
+
+@dataclass
+class PrefillBucket:
+    first: int  # sequences first..last-1, whose query rows are q_start..q_end-1
+    last: int
+    q_start: int
+    q_end: int
+    max_q: int
+    block_ids: torch.Tensor  # [(last - first) * num_blocks]
+    mask: torch.Tensor  # [last - first, 1, max_q, num_blocks * block_size] additive
+    valid: torch.Tensor | None  # [last - first, max_q] bool: real (not padding) query rows; None for one sequence
+
+
+def plan_prefill(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                 block_size: int, dtype: torch.dtype = torch.float32) -> list[PrefillBucket]:
+    """Group neighbouring sequences whose padded [queries x keys] stays close to their real size."""
+    cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
+    q_lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+    buckets: list[PrefillBucket] = []
+    first = 0
+    while first < len(ctx):
+        last, real = first + 1, q_lens[first] * ctx[first]
+        while last < len(ctx):
+            n, grown = last + 1 - first, real + q_lens[last] * ctx[last]
+            if n * max(q_lens[first:last + 1]) * max(ctx[first:last + 1]) > 1.25 * grown + 4096:
+                break
+            last, real = last + 1, grown
+        buckets.append(_prefill_bucket(first, last, cu, q_lens, ctx, block_tables, block_size, dtype,
+                                       context_lens.device))
+        first = last
+    return buckets
+
+
+def _prefill_bucket(first, last, cu, q_lens, ctx, block_tables, block_size, dtype, device) -> PrefillBucket:
+    lens_q = torch.tensor(q_lens[first:last], device=device)
+    lens_k = torch.tensor(ctx[first:last], device=device)
+    max_q, num_blocks = max(q_lens[first:last]), -(-max(ctx[first:last]) // block_size)
+    row = torch.arange(max_q, device=device)
+    valid = row[None, :] < lens_q[:, None]  # [n, max_q]
+    query_pos = (lens_k - lens_q)[:, None] + row[None, :]  # absolute position of each query
+    key_pos = torch.arange(num_blocks * block_size, device=device)
+    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
+    allowed |= ~valid[:, :, None] & (key_pos == 0)  # padded query rows attend somewhere, and are dropped
+    return PrefillBucket(first, last, cu[first], cu[last], max_q,
+                         block_tables[first:last, :num_blocks].reshape(-1),
+                         additive_mask(allowed, dtype)[:, None], valid if last - first > 1 else None)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, buckets: list[PrefillBucket] | None = None,
+                      workspace: Workspace | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context.
 
     ``q [total_q, heads, head_dim]``; sequence ``s`` owns rows
@@ -97,31 +152,26 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     ``context_lens[s]`` cached tokens (chunked prefill and prefix-cache hits).
     """
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_seqs, num_heads = context_lens.numel(), q.shape[1]
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    max_q = int(q_lens.max())
-    num_blocks = (int(context_lens.max()) + block_size - 1) // block_size
-    length = num_blocks * block_size
-    table = block_tables[:, :num_blocks].reshape(-1)
-    k = _gather(k_cache, table).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-    v = _gather(v_cache, table).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-
-    # Scatter the ragged queries into [num_seqs, max_q] (a no-op view for one sequence).
-    row = torch.arange(max_q, device=q.device)
-    valid = row[None, :] < q_lens[:, None]  # [num_seqs, max_q]
-    if num_seqs == 1:
-        q_pad = q.unsqueeze(0)
-    else:
-        q_pad = q.new_zeros(num_seqs, max_q, num_heads, head_dim)
-        q_pad[valid] = q
-    query_pos = (context_lens - q_lens)[:, None] + row[None, :]  # absolute position of each query
-    key_pos = torch.arange(length, device=q.device)
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]
-    mask |= ~valid[:, :, None] & (key_pos == 0)  # padded query rows attend somewhere, and are dropped
-    o = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
-                                       enable_gqa=num_heads != num_kv_heads)
-    o = o.transpose(1, 2)
-    return o[0] if num_seqs == 1 else o[valid]
+    num_heads = q.shape[1]
+    if buckets is None:
+        buckets = plan_prefill(cu_seqlens_q, context_lens, block_tables, block_size, q.dtype)
+    out = torch.empty_like(q)
+    for b in buckets:
+        n, length = b.last - b.first, b.mask.shape[-1]
+        k_rows = workspace.take(0, b.block_ids.numel(), k_cache) if workspace else None
+        v_rows = workspace.take(1, b.block_ids.numel(), v_cache) if workspace else None
+        k = _gather(k_cache, b.block_ids, k_rows).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, b.block_ids, v_rows).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        rows = q[b.q_start:b.q_end]
+        if b.valid is None:
+            q_pad = rows.unsqueeze(0)
+        else:  # scatter the ragged queries into [n, max_q]
+            q_pad = q.new_zeros(n, b.max_q, num_heads, head_dim)
+            q_pad[b.valid] = rows
+        o = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=b.mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads).transpose(1, 2)
+        out[b.q_start:b.q_end] = o[0] if b.valid is None else o[b.valid]
+    return out
 
 
 class Workspace:
@@ -131,7 +181,7 @@ class Workspace:
         self._buffers: dict[int, torch.Tensor] = {}
 
     def take(self, slot: int, num_rows: int, like: torch.Tensor) -> torch.Tensor:
-        row = like[0].numel()
+        row = like.stride(0)
         buf = self._buffers.get(slot)
         if buf is None or buf.numel() < num_rows * row or buf.dtype != like.dtype or buf.device != like.device:
             buf = torch.empty(max(num_rows * row * 3 // 2, 1 << 20), dtype=like.dtype, device=like.device)

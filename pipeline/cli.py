@@ -121,6 +121,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_invalidate(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        version = client.invalidate_cache(args.model)
+    print(f"result cache of {args.model or client.settings.model}: version {version}; earlier entries unreachable")
+    return 0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        fingerprint = client.reload(args.model, args.timeout)
+    print(f"reloaded; fingerprint {fingerprint}")
+    return 0
+
+
 def cmd_flower(args: argparse.Namespace) -> int:
     import os
 
@@ -177,6 +191,15 @@ def _client_commands(sub) -> None:
         if name == "result":
             p.add_argument("--timeout", type=float)
         p.set_defaults(func=func)
+    p = sub.add_parser("cache", help="the result cache")
+    cache_sub = p.add_subparsers(dest="cache_command", required=True)
+    p = cache_sub.add_parser("invalidate", help="make every cached result of a model unreachable")
+    p.add_argument("--model", help="default: settings.model")
+    p.set_defaults(func=cmd_cache_invalidate)
+    p = sub.add_parser("reload", help="GPU workers reload a model's weights from its folder (prefix cache dropped)")
+    p.add_argument("--model", help="default: settings.model")
+    p.add_argument("--timeout", type=float, default=120)
+    p.set_defaults(func=cmd_reload)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,7 @@ from pagedq.config.names import PREPROCESS_TASK, TERMINAL_STATES, JobState, Name
 from pagedq.config.redis_server import broker_url as find_broker_url
 from pagedq.config.redis_server import redis_client
 from pagedq.config.registry import lookup_model
+from pagedq.config.result_cache import ResultCache, is_deterministic
 from pagedq.pipeline.postprocess import batch_output_line
 from pagedq.pipeline.preprocess import check_context
 from pagedq.pipeline.protocol import (
@@ -81,6 +82,7 @@ class JobStatus:
     batch_id: str | None = None
     custom_id: str | None = None
     aborted_at_step: int | None = None
+    cached: int = 0  # 1: answered from the result cache, no GPU worker involved
 
     @classmethod
     def from_record(cls, job_id: str, rec: dict[str, str]) -> JobStatus:
@@ -140,6 +142,8 @@ class Client:
         self.names = Names.from_settings(self.settings)
         self.store = JobStore(self.r, self.names, self.settings.result_ttl_s)
         self.app = make_celery(self.settings, url)
+        self.cache = ResultCache(self.r, self.names, self.settings.result_cache_ttl_s,
+                                 self.settings.result_cache_max_bytes)
 
     def close(self) -> None:
         self.app.close()
@@ -168,13 +172,42 @@ class Client:
         url, body = _request_body(messages, prompt, fields_)
         req = self.validate(url, body)
         job_id = self._new_job_id()
-        self.r.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s))
+        cache_key, cached = self._cache_lookup(url, req)
+        self.r.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s, **cache_key))
+        if cached is not None:
+            self._answer_from_cache(job_id, cached)
+            return job_id
         try:
             self._send(job_id, url, req)
         except Exception:
             self.r.delete(self.names.job(job_id))
             raise
         return job_id
+
+    def _cache_lookup(self, url: str, req: AnyRequest) -> tuple[dict, dict | None]:
+        """({"cache_key": key} or {}, the cached response or None) for a request.
+
+        Only deterministic requests (greedy, or seeded) of a model a worker has registered are
+        cached: the key needs the fingerprint of the weights that worker loaded.
+        """
+        body = req.model_dump(mode="json", exclude_none=True)
+        if not (self.settings.result_cache and req.use_result_cache and is_deterministic(body)):
+            return {}, None
+        info = lookup_model(self.r, self.names, req.model)
+        if info is None:
+            return {}, None
+        body["max_tokens"] = req.max_tokens or DEFAULT_MAX_TOKENS
+        key = self.cache.key(req.model, info.fingerprint, url, body)
+        return {"cache_key": key}, self.cache.get(key)
+
+    def _answer_from_cache(self, job_id: str, response: dict) -> None:
+        """Complete a job with a cached response: its own id, marked ``cached``; no task is sent."""
+        prefix = "chatcmpl-" if response.get("object") == "chat.completion" else "cmpl-"
+        body = {**response, "id": prefix + job_id, "created": int(time.time()), "cached": True}
+        usage = body.get("usage", {})
+        self.store.update(job_id, cached=1, started_at=now(), prompt_tokens=usage.get("prompt_tokens", 0),
+                          completion_tokens=usage.get("completion_tokens", 0))
+        self.store.finish(job_id, JobState.COMPLETED, result=body)
 
     def validate(self, url: str, body: dict) -> AnyRequest:
         """The request, checked against the schema and the served model; raises RequestError."""
@@ -197,6 +230,29 @@ class Client:
             if not isinstance(req, ChatCompletionRequest) and isinstance(req.prompt, list):
                 check_context(req.prompt, params, info.max_model_len, info.vocab_size)
         return req
+
+    # --- models and the result cache ---------------------------------------------
+    def invalidate_cache(self, model: str | None = None) -> int:
+        """Make every cached result of ``model`` unreachable at once; returns the cache's new version."""
+        return self.cache.invalidate(model or self.settings.model)
+
+    def reload(self, model: str | None = None, timeout: float = 120) -> str:
+        """Ask the GPU workers serving ``model`` to reload its weights; returns the new fingerprint.
+
+        Their prefix caches are dropped, and the new fingerprint makes earlier cached results unreachable.
+        """
+        model = model or self.settings.model
+        before = lookup_model(self.r, self.names, model)
+        if before is None:
+            raise RequestError(f"model: no worker serves {model!r}", "model", code="model_not_found")
+        self.r.publish(self.names.control_channel, json.dumps({"op": "reload", "model": model}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = lookup_model(self.r, self.names, model)
+            if info is not None and info.updated_at > before.updated_at:
+                return info.fingerprint
+            time.sleep(0.1)
+        raise TimeoutError(f"no worker reloaded {model!r} within {timeout} s")
 
     def served_models(self) -> list[str]:
         """Names of the models GPU workers have registered."""
@@ -300,23 +356,26 @@ class Client:
         batch_id = f"batch_{uuid.uuid4().hex}"
         bkey, jobs_key = self.names.batch(batch_id), self.names.batch_jobs(batch_id)
         job_ids = [self._new_job_id() for _ in items]
+        lookups = [self._cache_lookup(url, req) if err is None else ({}, None) for _, req, url, err in items]
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(bkey, mapping={"state": "in_progress", "total": len(items), "created_at": now(),
                                  "jobs_key": jobs_key, "done_channel": self.names.batch_done_channel(batch_id)})
         if job_ids:
             pipe.rpush(jobs_key, *job_ids)
-        for job_id, (custom_id, req, _url, err) in zip(job_ids, items, strict=True):
+        for job_id, (custom_id, req, _url, err), (cache_key, _) in zip(job_ids, items, lookups, strict=True):
             extra = {"batch_id": batch_id, "batch_key": bkey, "custom_id": custom_id or ""}
             if err is not None:
                 pipe.hset(self.names.job(job_id), mapping={"state": JobState.QUEUED.value, "created_at": now(),
                                                            "attempts": 0, **extra})
             else:
-                pipe.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s, **extra))
+                pipe.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s, **extra, **cache_key))
         pipe.execute()
-        for job_id, (_, req, url, err) in zip(job_ids, items, strict=True):
+        for job_id, (_, req, url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
             if err is not None:
                 self.store.finish(job_id, JobState.FAILED, error={"message": str(err), "param": err.param,
                                                                   "code": err.code})
+            elif cached is not None:
+                self._answer_from_cache(job_id, cached)
             else:
                 self._send(job_id, url, req)
         if not items:

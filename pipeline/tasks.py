@@ -44,6 +44,7 @@ from pagedq.config.names import (
 )
 from pagedq.config.redis_server import broker_url, redis_client
 from pagedq.config.registry import Heartbeat, lookup_model
+from pagedq.config.result_cache import ResultCache
 from pagedq.pipeline.postprocess import build_response
 from pagedq.pipeline.preprocess import check_context, render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
@@ -109,6 +110,7 @@ def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> Gene
 def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, names: Names,
                        tokenizers: Tokenizers) -> None:
     max_model_waits = int(settings.model_wait_s / MODEL_WAIT_RETRY_S)
+    cache = ResultCache(r, names, settings.result_cache_ttl_s, settings.result_cache_max_bytes)
 
     @app.task(name=PREPROCESS_TASK, bind=True, max_retries=None)
     def preprocess(self, payload):
@@ -140,6 +142,8 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
         published = store.finish(c.request_id, JobState.COMPLETED, result=body)
         if not published:
             log.info("job %s: already final or unknown; result not published again", c.request_id)
+        elif c.finish_reason in ("stop", "length") and (key := r.hget(names.job(c.request_id), "cache_key")):
+            cache.put(key, body)  # the producer keyed it: a deterministic request of a registered model
         return {"job_id": c.request_id, "published": published,
                 "finish_reason": body["choices"][0]["finish_reason"]}
 

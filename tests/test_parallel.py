@@ -297,7 +297,8 @@ QUEUE_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def queue_settings(redis_url) -> Settings:
-    return Settings(broker_url=redis_url, key_prefix="pqp:", queue_prefix="pqp.", kv_cache_memory="256MiB",
+    return Settings(broker_url=redis_url, key_prefix="pqp:", queue_prefix="pqp.", result_cache=False,
+                    kv_cache_memory="256MiB",
                     max_num_seqs=64, max_num_batched_tokens=512, progress_interval_s=0.5, num_threads=THREADS)
 
 

@@ -46,7 +46,8 @@ def wait_until(predicate, timeout: float = 60, interval: float = 0.05, what: str
 
 @pytest.fixture(scope="module")
 def settings(redis_url) -> Settings:
-    return Settings(broker_url=redis_url, key_prefix="pqt:", queue_prefix="pqt.", max_num_seqs=9,
+    # result_cache off: these tests repeat requests and need each one to reach the engine
+    return Settings(broker_url=redis_url, key_prefix="pqt:", queue_prefix="pqt.", result_cache=False, max_num_seqs=9,
                     worker_max_inflight=9, kv_cache_memory="256MiB", progress_interval_s=0.5)
 
 
@@ -436,7 +437,7 @@ def test_every_key_carries_a_deployment_prefix(client, stack):
 # --- a worker that goes away gives its jobs back ------------------------------------------------
 def test_worker_loss_returns_jobs_to_the_queue(redis_url, tmp_path: Path):
     """Warm shutdown requeues a running job at once; a killed worker's job returns after the visibility timeout."""
-    s = Settings(broker_url=redis_url, key_prefix="pqk:", queue_prefix="pqk.", kv_cache_memory="128MiB",
+    s = Settings(broker_url=redis_url, key_prefix="pqk:", queue_prefix="pqk.", result_cache=False, kv_cache_memory="128MiB",
                  visibility_timeout_s=3)
     with Stack(s, log_dir=tmp_path) as stack, Client(s, stack.url) as client:
         job = client.submit(prompt="A long story:", max_tokens=300, **GREEDY)

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -60,6 +61,8 @@ class EngineStats:
     preemptions: int = 0
     kv_slots_allocated: int = 0  # summed over steps: blocks held by running sequences x block size
     kv_tokens_stored: int = 0  # summed over steps: tokens those blocks hold
+    kv_peak_slots: int = 0  # the most slots running sequences held at once
+    kv_peak_waste_fraction: float = 0.0  # share of those holding no token, at that step
     prefix_queries: int = 0
     prefix_hits: int = 0
 
@@ -274,14 +277,16 @@ class LLMEngine:
         self.executor.shutdown()
 
     def _record_kv_usage(self, sched) -> None:
-        bs = self.block_manager.block_size
-        for seq in self.scheduler.running:
-            self.stats.kv_slots_allocated += len(seq.block_table) * bs
-        for seq, n in sched.scheduled:
-            self.stats.kv_tokens_stored += seq.num_computed_tokens + n
-        scheduled = {id(s) for s, _ in sched.scheduled}
-        self.stats.kv_tokens_stored += sum(s.num_computed_tokens for s in self.scheduler.running
-                                           if id(s) not in scheduled)
+        """Slots held by running sequences' blocks vs the tokens in them once this batch is written."""
+        new = {id(seq): n for seq, n in sched.scheduled}
+        running = self.scheduler.running
+        allocated = sum(len(seq.block_table) for seq in running) * self.block_manager.block_size
+        stored = sum(seq.num_computed_tokens + new.get(id(seq), 0) for seq in running)
+        st = self.stats
+        st.kv_slots_allocated += allocated
+        st.kv_tokens_stored += stored
+        if allocated > st.kv_peak_slots:
+            st.kv_peak_slots, st.kv_peak_waste_fraction = allocated, 1 - stored / allocated
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -324,13 +329,18 @@ class LLMEngine:
         return [finished[rid] for rid in ids]
 
     def reload_weights(self, path=None) -> str:
-        """Load weights again (same or new folder); drops the prefix cache. Returns the new fingerprint."""
+        """Load the weights again (changed files, or another folder of the same architecture).
+
+        The prefix cache starts empty; requests in flight keep their tokens and are recomputed
+        with the new weights.  Returns the new fingerprint.
+        """
         with self.lock:
-            if self.requests:
-                raise RuntimeError("reload_weights needs an idle engine")
             if not isinstance(self.executor, LocalExecutor):
                 raise NotImplementedError("reload_weights with pipeline stages or tensor parallelism")
             if path is not None:
-                self.model_path = path
+                self.model_path = Path(path)
             self._load(load_weights(self.model_path))
+            for seq in self.requests.values():  # their blocks belonged to the old pool
+                seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+                self.scheduler.add(seq)
             return self.fingerprint

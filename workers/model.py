@@ -217,6 +217,7 @@ class CausalLM:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * self.rope_scale).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * self.rope_scale).to(device=device, dtype=dtype)
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def _load_layer(self, w, i: int) -> DecoderLayer:
         p, d, sh = f"model.layers.{i}.", self.cfg.head_dim, self.shard
@@ -247,9 +248,21 @@ class CausalLM:
             hidden = hidden + self._reduce(self._attention(
                 layer, rms_norm(hidden, layer.input_norm, self.cfg.rms_norm_eps), cos, sin, meta, k_cache, v_cache))
             h = rms_norm(hidden, layer.post_norm, self.cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + self._reduce(F.linear(F.silu(gate) * up, layer.down))
+            gate, up = self._matmul("gate_up", h, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + self._reduce(F.linear(F.silu(gate, inplace=True).mul_(up), layer.down))
         return hidden
+
+    def _matmul(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` into a buffer reused by every layer and step.
+
+        The widest products (gate/up, logits) are megabytes per call; fresh memory
+        for them costs page faults that slow the product itself by up to a third.
+        """
+        rows, cols = x.shape[0], weight.shape[0]
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < rows * cols:
+            buf = self._buffers[name] = x.new_empty(max(rows, 256) * cols)
+        return torch.mm(x, weight.t(), out=buf[: rows * cols].view(rows, cols))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel product over this stage's shards (a no-op unsharded)."""
@@ -270,7 +283,8 @@ class CausalLM:
         return F.linear(out.reshape(n, self.q_size), layer.o_proj)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        """Logits in a reused buffer: valid until the next call."""
+        return self._matmul("logits", rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head)
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

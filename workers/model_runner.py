@@ -60,11 +60,12 @@ _HEADER = 7  # num_tokens, num_decodes, decode table width, num_prefills, prefil
 def pack_step(sched: SchedulerOutput, block_size: int) -> tuple[list[int], list[Sequence]]:
     """Flatten a scheduled step into one list of ints (layout: ``unpack_step``) and the sampled sequences.
 
-    Decodes come first, shortest context first (the attention kernels bucket
-    neighbours of similar length), then prefill chunks.
+    Decodes come first, then prefill chunks; each group shortest context first
+    (the CPU attention path batches neighbours of similar length together).
     """
-    decodes = sorted(((s, n) for s, n in sched.scheduled if n == 1), key=lambda x: x[0].num_computed_tokens)
-    prefills = [(s, n) for s, n in sched.scheduled if n > 1]
+    by_context = sorted(sched.scheduled, key=lambda x: x[0].num_computed_tokens + x[1])
+    decodes = [(s, n) for s, n in by_context if n == 1]
+    prefills = [(s, n) for s, n in by_context if n > 1]
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []

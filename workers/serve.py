@@ -24,9 +24,9 @@ from pagedq.config.celery_app import make_celery, mark_ready_on_start
 from pagedq.config.jobstore import JobStore
 from pagedq.config.names import Names
 from pagedq.config.redis_server import broker_url, redis_client
-from pagedq.config.registry import Heartbeat, ModelInfo, register_model
+from pagedq.config.registry import Heartbeat, register_model
 from pagedq.workers.engine import LLMEngine
-from pagedq.workers.service import WORKER_KEY_TTL_S, EngineService
+from pagedq.workers.service import WORKER_KEY_TTL_S, EngineService, model_info
 from pagedq.workers.tasks import ControlListener, ProgressReporter, register_generate
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     hostname = hostname or default_hostname("gpu")
     engine = LLMEngine(settings, model)
     queue = names.generate_queue(engine.model_name)
-    register_model(r, names, ModelInfo(engine.model_name, engine.fingerprint, engine.max_model_len,
-                                       engine.cfg.vocab_size, queue, str(engine.model_path)))
+    register_model(r, names, model_info(engine, names))
     worker_key = names.worker(hostname)
     Heartbeat(r, worker_key, {"role": "gpu", "model": engine.model_name, "pid": os.getpid(), "ready": 0},
               WORKER_KEY_TTL_S).start()

@@ -19,6 +19,7 @@ import redis
 
 from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
+from pagedq.config.registry import ModelInfo, register_model
 from pagedq.workers.detokenizer import decode_output, stable_prefix
 from pagedq.workers.distributed import ReplicaLostError
 from pagedq.workers.engine import LLMEngine, RequestOutput
@@ -28,6 +29,12 @@ log = logging.getLogger(__name__)
 
 WORKER_KEY_TTL_S = 15  # a worker's Redis record outlives it by at most this
 IDLE_PUBLISH_S = 2.0
+
+
+def model_info(engine: LLMEngine, names: Names) -> ModelInfo:
+    """What a worker registers for its model (the result cache keys on the fingerprint)."""
+    return ModelInfo(engine.model_name, engine.fingerprint, engine.max_model_len, engine.cfg.vocab_size,
+                     names.generate_queue(engine.model_name), str(engine.model_path))
 
 
 @dataclass
@@ -62,6 +69,7 @@ class EngineService:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._last_publish = 0.0
+        self.jobs_received = 0  # generate tasks taken since start
 
     # --- called from task / control threads --------------------------------
     def start(self) -> None:
@@ -80,6 +88,7 @@ class EngineService:
                 handle.done.set()
                 return handle
             self.handles[job.job_id] = handle  # before the engine can produce output for it
+            self.jobs_received += 1
             try:
                 self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority)
             except Exception:
@@ -98,6 +107,14 @@ class EngineService:
         self._wake.set()
         log.info("cancelling %s (engine step %d)", job_id, self.engine.stats.steps)
         return True
+
+    def reload(self) -> str:
+        """Reload the model's weights from its folder and register the new fingerprint."""
+        fingerprint = self.engine.reload_weights()
+        register_model(self.r, self.names, model_info(self.engine, self.names))
+        self._publish_stats(force=True)
+        log.info("reloaded %s: fingerprint %s", self.engine.model_name, fingerprint[:12])
+        return fingerprint
 
     def enable_stream(self, job_id: str) -> None:
         handle = self.handles.get(job_id)
@@ -212,7 +229,8 @@ class EngineService:
         stats = {"steps": e.stats.steps, "free_blocks": e.block_manager.num_free_blocks,
                  "used_blocks": e.block_manager.num_used_blocks, "num_blocks": e.block_manager.num_blocks,
                  "requests": e.num_requests, "inflight": len(self.handles), "preemptions": e.stats.preemptions,
-                 "generated_tokens": e.stats.generated_tokens, "updated_at": time.time()}
+                 "generated_tokens": e.stats.generated_tokens, "jobs_received": self.jobs_received,
+                 "fingerprint": e.fingerprint, "prefix_hits": e.stats.prefix_hits, "updated_at": time.time()}
         target = pipe if pipe is not None else self.r.pipeline(transaction=False)
         key = self.names.worker(self.hostname)
         target.hset(key, mapping=stats)

@@ -125,7 +125,8 @@ class ProgressReporter(threading.Thread):
 
 
 class ControlListener:
-    """Client requests on ``names.control_channel``: {"op": "cancel" | "stream", "job_id": ...}."""
+    """Requests on ``names.control_channel``: {"op": "cancel" | "stream", "job_id": ...}, or
+    {"op": "reload", "model": ...} (reload the weights; the prefix cache is dropped)."""
 
     def __init__(self, r: redis.Redis, names: Names, service: EngineService) -> None:
         self.service = service
@@ -140,7 +141,15 @@ class ControlListener:
     def on_message(self, message: dict) -> None:
         try:
             request = json.loads(message["data"])
-            op, job_id = request["op"], str(request["job_id"])
+            op = request["op"]
+            if op == "reload":
+                if request["model"] == self.service.engine.model_name:
+                    try:
+                        self.service.reload()
+                    except Exception:  # noqa: BLE001 - a bad folder must not stop the listener
+                        log.exception("reloading %s failed; still serving the old weights", request["model"])
+                return
+            job_id = str(request["job_id"])
         except (ValueError, KeyError, TypeError) as e:
             log.error("ignoring a malformed control message %r: %s", message.get("data"), e)
             return
