@@ -108,7 +108,7 @@ def run_engine(settings: Settings, requests: list[BenchRequest], name: str = "pa
     produced = sum(len(o.output_token_ids) for o in outs)
     assert produced == sum(r.output_len for r in requests), "engine produced the wrong number of tokens"
     st = engine.stats
-    extra = (f"steps={st.steps} preemptions={st.preemptions} kv_waste={st.kv_waste_fraction:.1%} "
+    extra = (f"steps={st.steps} preemptions={st.preemptions} kv_waste={st.kv_waste_fraction:.1%} (at peak use {st.kv_peak_waste_fraction:.1%}) "
              f"prefix_hit={st.prefix_hit_rate:.1%} {load}")
     return Result(name, len(requests), sum(len(r.prompt_token_ids) for r in requests), produced, seconds, extra)
 
