@@ -42,16 +42,14 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     r = redis_client(url)
     names = Names.from_settings(settings)
     hostname = hostname or default_hostname("gpu")
-    engine = LLMEngine(settings, model)
+    service = EngineService(lambda: LLMEngine(settings, model), r, names, hostname, settings.result_ttl_s,
+                            on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # warm shutdown
+    engine = service.start()  # built on the thread that will step it (see service.py)
     queue = names.generate_queue(engine.model_name)
     register_model(r, names, model_info(engine, names))
     worker_key = names.worker(hostname)
     Heartbeat(r, worker_key, {"role": "gpu", "model": engine.model_name, "pid": os.getpid(), "ready": 0},
               WORKER_KEY_TTL_S).start()
-
-    service = EngineService(engine, r, names, hostname, settings.result_ttl_s,
-                            on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # warm shutdown
-    service.start()
     app = make_celery(settings, url)
     register_generate(app, service, JobStore(r, names, settings.result_ttl_s), names)
     ControlListener(r, names, service).start()
