@@ -4,8 +4,8 @@ The stepping thread also builds the engine and runs anything else that
 computes with torch (a weight reload): OpenMP keeps a thread team per thread
 that starts parallel work, and once a process has two teams on a 2-core
 machine libgomp stops letting its idle threads spin, which makes every small
-operator wait for a sleeping thread (the worker ran ~12% slower than the
-offline engine before this).
+operator wait for a sleeping thread (through the queue the engine ran at 85%
+of its offline speed before this).
 
 Each generate task ``submit``s its job and waits on its ``Handle``; the
 stepping thread runs ``engine.step()`` while anything is unfinished, so a job
