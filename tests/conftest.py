@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from pagedq.config.redis_server import RedisServer, redis_client
+from pagedq.pipeline.client import Client
+from pagedq.pipeline.stack import Stack
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +32,17 @@ def redis(redis_url):
     client = redis_client(redis_url)
     yield client
     client.close()
+
+
+# A module that defines a module-scoped ``settings`` fixture gets the whole queue stack for it:
+@pytest.fixture(scope="module")
+def stack(settings, tmp_path_factory):
+    """Redis-backed GPU + CPU worker processes for the module's settings, stopped after the module."""
+    with Stack(settings, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(settings, stack):
+    with Client(settings, stack.url) as c:
+        yield c

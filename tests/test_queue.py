@@ -51,18 +51,6 @@ def settings(redis_url) -> Settings:
                     worker_max_inflight=9, kv_cache_memory="256MiB", progress_interval_s=0.5)
 
 
-@pytest.fixture(scope="module")
-def stack(settings, tmp_path_factory):
-    with Stack(settings, log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(settings, stack):
-    with Client(settings, stack.url) as c:
-        yield c
-
-
 def gpu_worker(stack: Stack):
     return next(c for c in stack.children if c.role == "gpu")
 

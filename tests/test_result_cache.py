@@ -22,7 +22,7 @@ from pagedq.config import Settings
 from pagedq.config.names import Names
 from pagedq.config.result_cache import ResultCache
 from pagedq.pipeline import Client
-from pagedq.pipeline.stack import Stack, settings_env
+from pagedq.pipeline.stack import settings_env
 
 TIMEOUT = 120
 GREEDY = {"temperature": 0, "max_tokens": 12}
@@ -46,18 +46,6 @@ def model_dir(tmp_path_factory):
 def settings(redis_url, model_dir) -> Settings:
     return Settings(broker_url=redis_url, key_prefix="prc:", queue_prefix="prc.", model=str(model_dir),
                     kv_cache_memory="64MiB", progress_interval_s=0.5)
-
-
-@pytest.fixture(scope="module")
-def stack(settings, tmp_path_factory):
-    with Stack(settings, log_dir=tmp_path_factory.mktemp("logs")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(settings, stack):
-    with Client(settings, stack.url) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
