@@ -7,8 +7,10 @@ entry is keyed by
     <prefix>rcache:<model>:v<version>:<sha256(fingerprint, canonical request)>
 
 - ``fingerprint`` is what the serving GPU worker registered for the model: a
-  hash of the weights it loaded (and the tokenizer, which does the chat
-  templating), so other weights under the same name never see old entries;
+  hash of the weights it loaded, so other weights under the same name never
+  see old entries.  The request is keyed as sent (messages, not templated
+  text): tokenizer and chat template ship in the model's folder with its
+  weights, and changing only them needs ``pagedq cache invalidate``;
 - ``version`` is a counter per model: ``pagedq cache invalidate --model M``
   increments it and every earlier entry becomes unreachable at once, without
   a scan (they age out by TTL or by the size bound).
