@@ -16,17 +16,44 @@
   messages every min(10, visibility_timeout) s.
 - Events on, so Flower sees every task.
 - The Redis transport is kombu's, hardened so garbage pushed onto a queue is
-  logged and dropped instead of stopping the worker (``transport.py``).
+  logged and dropped instead of stopping the worker (``pagedq.store.transport``,
+  named here by its import path: kombu loads it).
+- Routes: ``task_routes`` sends each task to its queue (generate by the
+  model named in its message), so no call site names a queue.
 """
 
 from __future__ import annotations
 
-from celery import Celery, signals
+from celery import Celery
 
-from pagedq.config.names import KOMBU_PRIORITY_SEP, PRIORITY_STEPS, Names, broker_priority
-from pagedq.config.redis_server import broker_url
+from pagedq.config.names import (
+    GENERATE_TASK,
+    KOMBU_PRIORITY_SEP,
+    POSTPROCESS_TASK,
+    PREPROCESS_TASK,
+    PRIORITY_STEPS,
+    Names,
+    broker_priority,
+)
 from pagedq.config.settings import Settings
-from pagedq.config.transport import TRANSPORT
+
+TRANSPORT = "pagedq.store.transport:Transport"
+
+
+class TaskRouter:
+    """Celery router: each pagedq task to its queue; generate to its model's queue."""
+
+    def __init__(self, names: Names) -> None:
+        self.names = names
+
+    def __call__(self, name, args, kwargs, options, task=None, **kw):
+        if name == PREPROCESS_TASK:
+            return {"queue": self.names.preprocess_queue}
+        if name == POSTPROCESS_TASK:
+            return {"queue": self.names.results_queue}
+        if name == GENERATE_TASK and args and isinstance(args[0], dict):
+            return {"queue": self.names.generate_queue(str(args[0].get("model", "")))}
+        return None
 
 
 def celery_config(settings: Settings, url: str) -> dict:
@@ -55,6 +82,7 @@ def celery_config(settings: Settings, url: str) -> dict:
         worker_prefetch_multiplier=1,
         task_ignore_result=True,  # results live in pagedq's own keys, written atomically
         task_default_queue=names.default_queue,
+        task_routes=(TaskRouter(names),),
         task_default_priority=broker_priority(settings.default_priority),
         event_exchange=names.event_exchange,
         control_exchange=names.control_exchange,
@@ -64,16 +92,7 @@ def celery_config(settings: Settings, url: str) -> dict:
     )
 
 
-def make_celery(settings: Settings, url: str | None = None, main: str = "pagedq") -> Celery:
+def make_celery(settings: Settings, url: str, main: str = "pagedq") -> Celery:
     app = Celery(main, set_as_current=False)
-    app.conf.update(celery_config(settings, url or broker_url(settings)))
+    app.conf.update(celery_config(settings, url))
     return app
-
-
-def mark_ready_on_start(r, key: str) -> None:
-    """Set ``ready`` in a worker's Redis record once its Celery consumer is up."""
-
-    def on_ready(**_) -> None:
-        r.hset(key, "ready", 1)
-
-    signals.worker_ready.connect(on_ready, weak=False)

@@ -1,9 +1,14 @@
-"""The JSON messages between stages, as dataclasses (checked when they arrive).
+"""The JSON messages between stages, as dataclasses (checked when they arrive), and the one error type.
 
     client --PreprocessJob--> preprocess --GenerateJob--> generate --Completion--> postprocess
 
 A message that does not fit its shape raises ``MalformedMessageError``; the
 task logs it and drops the message without touching any job.
+
+``RequestError`` is the one error that crosses the wire: a job that ends
+failed carries ``RequestError.to_dict()`` (message, param, code) as its
+``error``, whichever component refused it.  ``check_context`` is the one
+context-length check.
 """
 
 from __future__ import annotations
@@ -15,11 +20,48 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
+from pagedq.config.sampling_params import SamplingParams
+
 T = TypeVar("T")
 
 
 class MalformedMessageError(ValueError):
     pass
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; ``param`` names the field at fault, ``code`` says what kind."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.custom_id: str | None = None  # set for errors about a batch line
+
+    def to_dict(self) -> dict:
+        return {"message": str(self), "param": self.param, "code": self.code}
+
+    @classmethod
+    def from_dict(cls, error: dict) -> RequestError:
+        return cls(error.get("message") or "", error.get("param"), error.get("code") or "invalid_request_error")
+
+
+def check_context(prompt_ids: list[int], max_tokens: int, max_model_len: int, vocab_size: int) -> None:
+    """Raise RequestError unless the prompt's ids are in the vocabulary and prompt + max_tokens fit."""
+    if not prompt_ids:
+        raise RequestError("prompt: empty", "prompt")
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt: token ids must be in [0, {vocab_size})", "prompt")
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(
+            f"prompt: This model's maximum context length is {max_model_len} tokens; the prompt alone has "
+            f"{len(prompt_ids)}", "prompt", code="context_length_exceeded")
+    need = len(prompt_ids) + max_tokens
+    if need > max_model_len:
+        raise RequestError(
+            f"max_tokens: This model's maximum context length is {max_model_len} tokens; the request needs "
+            f"{need} ({len(prompt_ids)} in the prompt, {max_tokens} in max_tokens)", "max_tokens",
+            code="context_length_exceeded")
 
 
 @dataclass
@@ -35,7 +77,7 @@ class GenerateJob:
     model: str
     kind: str  # "chat" | "text"
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams fields
+    params: SamplingParams
     priority: int
     stream: bool = False
 
@@ -47,13 +89,13 @@ class Completion:
     request_id: str
     kind: str  # "chat" | "text"
     model: str
+    text: str  # detokenized once, by the GPU worker; cut at the stop string
     output_token_ids: list[int]
     num_prompt_tokens: int
     finish_reason: str | None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)  # per token: {"token": [id, lp], "top": [[id, lp], ...]}
-    stop: list[str] = field(default_factory=list)
     want_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 

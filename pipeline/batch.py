@@ -13,8 +13,14 @@ from pathlib import Path
 
 from pagedq.config import Settings
 from pagedq.pipeline.postprocess import Completion, batch_output_line, build_response
-from pagedq.pipeline.preprocess import check_context, render_prompt
-from pagedq.pipeline.protocol import AnyRequest, RequestError, parse_batch_line, to_sampling_params
+from pagedq.pipeline.preprocess import render_prompt
+from pagedq.pipeline.protocol import (
+    AnyRequest,
+    RequestError,
+    parse_batch_line,
+    read_batch_file,
+    to_sampling_params,
+)
 
 
 @dataclass
@@ -39,18 +45,18 @@ def prepare_lines(lines: list[str], engine) -> list[PreparedLine | dict]:
             custom_id, req, _ = parse_batch_line(line)
             _check_model(req, engine.model_name)
             ids = render_prompt(engine.tokenizer, req)
-            check_context(ids, to_sampling_params(req), engine.max_model_len, engine.cfg.vocab_size)
+            engine.validate(ids, to_sampling_params(req))  # context length, vocabulary, KV capacity
             prepared.append(PreparedLine(custom_id, req, ids))
-        except (RequestError, ValueError) as e:
+        except RequestError as e:
             prepared.append(batch_output_line(getattr(e, "custom_id", None) or custom_id, error=e))
     return prepared
 
 
 def run_offline(input_path: Path, output_path: Path, settings: Settings, model: str | None = None,
                 progress: bool = True) -> dict:
-    from pagedq.workers.engine import LLMEngine
+    from pagedq.workers.llm import LLM
 
-    engine = LLMEngine(settings, model)
+    engine = LLM(settings, model)
     try:
         return _run(engine, input_path, output_path, progress)
     finally:
@@ -60,7 +66,7 @@ def run_offline(input_path: Path, output_path: Path, settings: Settings, model: 
 def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
-    lines = [ln for ln in Path(input_path).read_text().splitlines() if ln.strip()]
+    lines = read_batch_file(input_path)
     prepared = prepare_lines(lines, engine)
     jobs = [(i, p) for i, p in enumerate(prepared) if isinstance(p, PreparedLine)]
     bar = tqdm(total=len(jobs), desc="requests", unit="req", file=sys.stderr, disable=not progress)
@@ -77,10 +83,10 @@ def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
     for (i, p), out in zip(jobs, outs, strict=True):
         kind = "chat" if hasattr(p.request, "messages") else "text"
         completion = Completion(
-            request_id=p.custom_id, kind=kind, model=engine.model_name, output_token_ids=out.output_token_ids,
-            num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-            num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs,
-            stop=p.request.stop or [], want_logprobs=p.request.num_logprobs)
+            request_id=p.custom_id, kind=kind, model=engine.model_name, text=out.text,
+            output_token_ids=out.output_token_ids, num_prompt_tokens=out.num_prompt_tokens,
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason, num_cached_tokens=out.num_cached_tokens,
+            logprobs=out.logprobs, want_logprobs=p.request.num_logprobs)
         prepared[i] = batch_output_line(p.custom_id, build_response(completion, engine.tokenizer))
     with open(output_path, "w") as f:
         for item in prepared:

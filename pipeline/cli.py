@@ -39,14 +39,14 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from pagedq.workers.serve import run_worker
+    from pagedq.workers.gpu_worker import run_worker
 
     run_worker(_settings(args), args.model, args.hostname, args.loglevel)
     return 0
 
 
 def cmd_cpu_worker(args: argparse.Namespace) -> int:
-    from pagedq.pipeline.tasks import run_cpu_worker
+    from pagedq.pipeline.cpu_worker import run_cpu_worker
 
     run_cpu_worker(_settings(args), args.hostname, args.loglevel)
     return 0
@@ -59,7 +59,7 @@ def _interrupt(*_) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
-    from pagedq.pipeline.stack import Stack
+    from pagedq.pipeline.local.stack import Stack
 
     # Ctrl-C and SIGTERM stop everything the same way (SIGINT too: a background shell may have ignored it).
     signal.signal(signal.SIGTERM, _interrupt)
@@ -139,13 +139,15 @@ def cmd_flower(args: argparse.Namespace) -> int:
     import os
 
     from pagedq.config.celery_app import make_celery
+    from pagedq.store.connection import broker_url
 
     if args.unauthenticated_api:
         os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
     argv = ["flower", f"--port={args.port}", f"--address={args.address}", *args.flower_args]
     if args.basic_auth:
         argv.append(f"--basic-auth={args.basic_auth}")
-    return make_celery(_settings(args)).start(argv) or 0
+    settings = _settings(args)
+    return make_celery(settings, broker_url(settings)).start(argv) or 0
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -161,9 +163,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from pagedq.workers.stage import serve_from_args
+    from pagedq.workers.parallel.stage import serve_stage
 
-    return serve_from_args(args)
+    return serve_stage(args.rank, args.stages, args.tensor_parallel, args.master, args.model, args.device,
+                       args.threads)
 
 
 def _worker_options(p: argparse.ArgumentParser) -> None:
@@ -266,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    from pagedq.config.redis_server import BrokerNotFoundError
     from pagedq.pipeline.client import JobFailedError, JobNotFoundError
     from pagedq.pipeline.protocol import RequestError
+    from pagedq.store.connection import BrokerNotFoundError
 
     return (RequestError, JobFailedError, JobNotFoundError, BrokerNotFoundError, TimeoutError)
 

@@ -23,15 +23,9 @@ from dataclasses import dataclass, field, fields
 
 from pagedq.config import Settings, get_settings
 from pagedq.config.celery_app import make_celery
-from pagedq.config.jobstore import JobStore, now
-from pagedq.config.messages import PreprocessJob, to_json
+from pagedq.config.messages import PreprocessJob, check_context, to_json
 from pagedq.config.names import PREPROCESS_TASK, TERMINAL_STATES, JobState, Names, broker_priority
-from pagedq.config.redis_server import broker_url as find_broker_url
-from pagedq.config.redis_server import redis_client
-from pagedq.config.registry import lookup_model
-from pagedq.config.result_cache import ResultCache, is_deterministic
 from pagedq.pipeline.postprocess import batch_output_line
-from pagedq.pipeline.preprocess import check_context
 from pagedq.pipeline.protocol import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -43,7 +37,11 @@ from pagedq.pipeline.protocol import (
     parse_request,
     to_sampling_params,
 )
-from pagedq.workers.sampling_params import InvalidRequestError
+from pagedq.store.connection import broker_url as find_broker_url
+from pagedq.store.connection import redis_client
+from pagedq.store.jobs import JobStore, now
+from pagedq.store.registry import lookup_model
+from pagedq.store.result_cache import ResultCache, is_deterministic
 
 _TERMINAL = {s.value for s in TERMINAL_STATES}
 
@@ -212,10 +210,7 @@ class Client:
     def validate(self, url: str, body: dict) -> AnyRequest:
         """The request, checked against the schema and the served model; raises RequestError."""
         req = parse_request(url, body)
-        try:
-            params = to_sampling_params(req)
-        except InvalidRequestError as e:
-            raise RequestError(str(e)) from None
+        params = to_sampling_params(req)
         req.model = req.model or self.settings.model
         info = lookup_model(self.r, self.names, req.model)
         if info is None and req.model != self.settings.model:
@@ -228,7 +223,7 @@ class Client:
                                    f"{info.max_model_len}-token context", "max_tokens",
                                    code="context_length_exceeded")
             if not isinstance(req, ChatCompletionRequest) and isinstance(req.prompt, list):
-                check_context(req.prompt, params, info.max_model_len, info.vocab_size)
+                check_context(req.prompt, params.max_tokens, info.max_model_len, info.vocab_size)
         return req
 
     # --- models and the result cache ---------------------------------------------
@@ -272,7 +267,7 @@ class Client:
     def _send(self, job_id: str, url: str, req: AnyRequest) -> None:
         body = req.model_dump(mode="json", exclude_none=True)
         self.app.send_task(PREPROCESS_TASK, args=[to_json(PreprocessJob(job_id, url, body))],
-                           queue=self.names.preprocess_queue, priority=broker_priority(req.priority))
+                           priority=broker_priority(req.priority))
 
     # --- following jobs -------------------------------------------------------
     def status(self, job_id: str) -> JobStatus:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import uuid
 
 from pagedq.config.messages import Completion
-from pagedq.workers.detokenizer import decode_output
 
 __all__ = ["Completion", "batch_output_line", "build_response"]
 
@@ -39,16 +38,16 @@ def _text_logprobs(tokenizer, items: list[dict]) -> dict:
 
 
 def build_response(c: Completion, tokenizer) -> dict:
-    """The chat.completion or text_completion object for a finished request."""
-    text, matched = decode_output(tokenizer, c.output_token_ids, c.stop)
-    finish = c.finish_reason
-    if matched is not None:  # the engine stops at a stop string; the text ends before it
-        finish = "stop"
+    """The chat.completion or text_completion object for a finished request.
+
+    The text was detokenized by the GPU worker (and cut at a stop string there); the tokenizer
+    only renders logprobs' tokens."""
+    text = c.text
     logprobs = None
     if c.want_logprobs is not None:
         logprobs = (_chat_logprobs if c.kind == "chat" else _text_logprobs)(tokenizer, c.logprobs)
-    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish,
-                    "stop_reason": matched if matched is not None else c.stop_reason}
+    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
     if c.kind == "chat":
         choice["message"] = {"role": "assistant", "content": text}
         obj, prefix = "chat.completion", "chatcmpl-"

@@ -1,9 +1,8 @@
-"""Requests to token ids: chat template, tokenization, context-length check."""
+"""Requests to token ids: the chat template and tokenization (the context check is ``check_context``)."""
 
 from __future__ import annotations
 
-from pagedq.pipeline.protocol import AnyRequest, ChatCompletionRequest, RequestError
-from pagedq.workers.sampling_params import SamplingParams
+from pagedq.pipeline.protocol import AnyRequest, ChatCompletionRequest
 
 
 def render_prompt(tokenizer, req: AnyRequest) -> list[int]:
@@ -14,14 +13,3 @@ def render_prompt(tokenizer, req: AnyRequest) -> list[int]:
     if isinstance(req.prompt, list):
         return list(req.prompt)
     return tokenizer(req.prompt)["input_ids"]
-
-
-def check_context(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
-    if any(t >= vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt: token ids must be below the vocabulary size {vocab_size}", "prompt")
-    need = len(prompt_ids) + params.max_tokens
-    if need > max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens; the request needs {need} "
-            f"({len(prompt_ids)} in the prompt, {params.max_tokens} in max_tokens)", "max_tokens",
-            code="context_length_exceeded")

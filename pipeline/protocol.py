@@ -1,8 +1,11 @@
-"""Request shapes (OpenAI-compatible), validated before anything is queued.
+"""The request schema (OpenAI-compatible): the one definition of a valid request.
 
-A bad request raises ``pydantic.ValidationError`` (or ``RequestError``) whose
-message names the field.  ``to_sampling_params`` maps a valid request onto
-the engine's ``SamplingParams``.
+Every path in (``Client.submit``, batches, the CPU worker re-reading a
+message) validates with these models, so nothing accepted at the edge is
+refused later.  A bad request raises ``RequestError`` naming the field.
+``to_sampling_params`` maps a valid request onto the engine's
+``SamplingParams``; every value it passes is one the engine can use (seeds
+fit a 64-bit generator, floats are finite, strings are valid Unicode).
 """
 
 from __future__ import annotations
@@ -10,51 +13,70 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from pagedq.workers.sampling_params import SamplingParams
+from pagedq.config.messages import RequestError, check_context
+from pagedq.config.sampling_params import SamplingParams
+
+__all__ = ["RequestError", "check_context"]  # re-exported: defined with the other wire contracts
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 DEFAULT_MAX_TOKENS = 256
 
 
-class RequestError(ValueError):
-    """A request that cannot be served; ``param`` names the field at fault."""
+MAX_INT = 2**31 - 1  # token ids, counts: what a tensor index holds
+MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.custom_id: str | None = None  # set for errors about a batch line
+
+def _valid_unicode(text: str) -> str:
+    """Refuse lone UTF-16 surrogates: they cannot be encoded as UTF-8, so no tokenizer or JSON peer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate {text[e.start]!r} at position {e.start}: "
+                         "not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class SamplingFields(BaseModel):
     """Fields shared by chat and text requests (OpenAI names, plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: Text | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0  # below 1e-5: greedy
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: int = -1
+    top_k: Annotated[int, Field(le=MAX_INT)] = -1  # above the vocabulary size: off, as vLLM clamps it
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
     ignore_eos: bool = False
     n: Literal[1] = 1
     stream: bool = False
-    user: str | None = None
+    user: Text | None = None
     priority: Annotated[int, Field(ge=0, le=9)] = 5
     use_result_cache: bool = True  # opt out of the result cache
 
@@ -91,7 +113,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: Literal[False] = False
 
@@ -125,7 +147,9 @@ def parse_request(url: str, body: Any) -> AnyRequest:
 
 
 def validation_to_request_error(e: ValidationError) -> RequestError:
-    err = e.errors()[0]
+    errors = e.errors()
+    # Of a union's alternatives, report the one whose type fit (its value was wrong), if any.
+    err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
     field = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str")))
     message = err["msg"].removeprefix("Value error, ")
     return RequestError(f"{field or 'request'}: {message}", field or None)
@@ -135,10 +159,26 @@ class BatchLine(BaseModel):
     """One line of an OpenAI Batch input file."""
 
     model_config = ConfigDict(extra="forbid")
-    custom_id: Annotated[str, Field(min_length=1)]
+    custom_id: Annotated[Text, Field(min_length=1)]
     method: Literal["POST"] = "POST"
     url: str
     body: dict
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        _valid_unicode(text)
+        return True
+    except ValueError:
+        return False
+
+
+def read_batch_file(path) -> list[str]:
+    """A batch file's non-blank lines.  Bytes that are not UTF-8 survive as lone surrogates
+    (``surrogateescape``), so the schema refuses just their line, naming the field."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    return [ln for ln in raw.decode("utf-8", "surrogateescape").splitlines() if ln.strip()]
 
 
 def parse_batch_line(line: str) -> tuple[str | None, AnyRequest, str]:
@@ -147,12 +187,14 @@ def parse_batch_line(line: str) -> tuple[str | None, AnyRequest, str]:
         raw = json.loads(line)
     except json.JSONDecodeError as e:
         raise RequestError(f"line is not valid JSON: {e.msg} at column {e.colno}", "line") from None
+    except RecursionError:
+        raise RequestError("line is nested too deeply", "line") from None
     custom_id = raw.get("custom_id") if isinstance(raw, dict) else None
     try:
         item = BatchLine.model_validate(raw)
     except ValidationError as e:
         err = validation_to_request_error(e)
-        err.custom_id = custom_id if isinstance(custom_id, str) else None
+        err.custom_id = custom_id if isinstance(custom_id, str) and _is_unicode(custom_id) else None
         raise err from None
     try:
         return item.custom_id, parse_request(item.url, item.body), item.url

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pagedq.config import Settings
 from pagedq.pipeline.client import Client
-from pagedq.pipeline.stack import Stack
+from pagedq.pipeline.local.stack import Stack
+from pagedq.pipeline.protocol import read_batch_file
 
 
 def _progress(client: Client, batch_id: str, show: bool) -> None:
@@ -35,7 +36,7 @@ def _finished(status) -> int:
 
 def run_queued(input_path: Path, output_path: Path, settings: Settings, model: str | None = None,
                progress: bool = True) -> dict:
-    lines = [ln for ln in Path(input_path).read_text().splitlines() if ln.strip()]
+    lines = read_batch_file(input_path)
     log_dir = settings.state_dir / "logs"
     with Stack(settings, model, log_dir=log_dir, reuse_workers=True, loglevel="WARNING") as stack:
         with Client(settings, stack.url) as client:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from sharegpt import chat_prompt_ids, iter_conversations
+
 from pagedq.config import Settings
-from pagedq.pipeline.sharegpt import chat_prompt_ids, iter_conversations
-from pagedq.workers.engine import LLMEngine
-from pagedq.workers.sampling_params import SamplingParams
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.llm import LLM
 
 SYSTEM = (
     "You are the support assistant of Acme Queue, a hosted service that runs machine-learning jobs "
@@ -44,7 +45,7 @@ def questions(tokenizer, n: int) -> list[str]:
     raise RuntimeError("not enough short questions")
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+def run(engine: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -70,7 +71,7 @@ def main() -> None:
 
     results = {}
     for label, on in (("prefix cache off", False), ("prefix cache on", True)):
-        engine = LLMEngine(Settings(enable_prefix_caching=on))
+        engine = LLM(Settings(enable_prefix_caching=on))
         if not results:
             qs = questions(engine.tokenizer, args.num_requests)
             prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "system", "content": SYSTEM},
@@ -79,7 +80,7 @@ def main() -> None:
             print(f"{len(prompts)} requests, ~{shared} shared system-prompt tokens, "
                   f"{sum(map(len, prompts))} prompt tokens in all, {args.max_tokens} output tokens each")
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
-        engine.stats.__init__()
+        engine.reset_stats()
         results[label] = run(engine, prompts, args.max_tokens)
         del engine
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from sharegpt import BenchRequest, sample_requests
 
 from pagedq.config import Settings
-from pagedq.pipeline.sharegpt import BenchRequest, sample_requests
-from pagedq.workers.engine import LLMEngine
-from pagedq.workers.sampling_params import SamplingParams
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.llm import LLM
 
 
 @dataclass
@@ -99,9 +99,9 @@ class LoadMeter:
 
 
 def run_engine(settings: Settings, requests: list[BenchRequest], name: str = "pagedq engine") -> Result:
-    engine = LLMEngine(settings)
+    engine = LLM(settings)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    engine.stats.__init__()
+    engine.reset_stats()
     start, meter = time.perf_counter(), LoadMeter()
     outs = engine.generate([r.prompt_token_ids for r in requests], [params_for(r) for r in requests])
     seconds, load = time.perf_counter() - start, meter.read()
@@ -117,7 +117,7 @@ def run_via_queue(settings: Settings, requests: list[BenchRequest]) -> Result:
     import tempfile
 
     from pagedq.pipeline.client import Client
-    from pagedq.pipeline.stack import Stack
+    from pagedq.pipeline.local.stack import Stack
 
     scratch = Path(tempfile.mkdtemp(prefix="pagedq-bench-"))
     if not settings.broker_url:  # a fresh embedded Redis, not the user's
@@ -164,10 +164,10 @@ def via_queue(settings: Settings, requests: list[BenchRequest], rounds: int, jso
 
 def run_stages(settings: Settings, requests: list[BenchRequest], stages: int) -> Result:
     """The offline engine as ``stages`` processes of one thread each; notes each stage's busy share and the overlap."""
-    engine = LLMEngine(settings.model_copy(update={"pipeline_stages": stages, "num_threads": 1}))
+    engine = LLM(settings.model_copy(update={"pipeline_stages": stages, "num_threads": 1}))
     try:
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-        engine.stats.__init__()
+        engine.reset_stats()
         if stages > 1:
             engine.executor.reset_busy()
         start, clock_start, cpu_start, meter = time.perf_counter(), time.monotonic(), time.process_time(), LoadMeter()
@@ -253,7 +253,7 @@ def main() -> None:
     args = ap.parse_args()
 
     settings = Settings()
-    engine_probe = LLMEngine(settings)  # resolves/converts the model once
+    engine_probe = LLM(settings)  # resolves/converts the model once
     tokenizer, model_path = engine_probe.tokenizer, engine_probe.model_path
     del engine_probe
     gc.collect()

@@ -16,12 +16,12 @@ import time
 import traceback
 
 from pagedq.config import Settings
-from pagedq.workers.engine import LLMEngine
-from pagedq.workers.sampling_params import SamplingParams
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.llm import LLM
 
 
 def generate(settings: Settings, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
-    engine = LLMEngine(settings)
+    engine = LLM(settings)
     try:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         engine.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm-up
@@ -47,7 +47,7 @@ def main() -> None:
                 num_threads=args.threads, **({"model": args.model} if args.model else {}))
     rng = random.Random(0)
     settings = Settings(**base)
-    vocab_size = LLMEngine(settings).cfg.vocab_size
+    vocab_size = LLM(settings).cfg.vocab_size
     prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(8, 120))] for _ in range(args.prompts)]
     reference, seconds = generate(settings, prompts, args.tokens)
     print(f"1x1: {seconds:.2f} s", flush=True)

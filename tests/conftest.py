@@ -7,11 +7,26 @@ use their own key/queue prefixes on it (``Settings(key_prefix=..., queue_prefix=
 
 from __future__ import annotations
 
-import pytest
+import os
+import random
 
-from pagedq.config.redis_server import RedisServer, redis_client
+import pytest
+import torch
+
 from pagedq.pipeline.client import Client
-from pagedq.pipeline.stack import Stack
+from pagedq.pipeline.local.redis_server import RedisServer
+from pagedq.pipeline.local.stack import Stack
+from pagedq.store.connection import redis_client
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """Random inputs are fresh each run, and reproducible: the seed is printed (PAGEDQ_TEST_SEED replays it)."""
+    seed = int(os.environ.get("PAGEDQ_TEST_SEED") or random.SystemRandom().randrange(1, 2**31))
+    random.seed(seed)
+    torch.manual_seed(seed)
+    print(f"[{request.node.name}] PAGEDQ_TEST_SEED={seed}")
+    yield seed
 
 
 @pytest.fixture(scope="session")

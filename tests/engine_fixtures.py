@@ -7,8 +7,8 @@ import functools
 import torch
 
 from pagedq.config import Settings
-from pagedq.workers.engine import LLMEngine
-from pagedq.workers.sampling_params import SamplingParams
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.llm import LLM
 
 
 def settings(**overrides) -> Settings:
@@ -18,17 +18,17 @@ def settings(**overrides) -> Settings:
 
 
 @functools.lru_cache(maxsize=4)
-def engine(**overrides) -> LLMEngine:
-    return LLMEngine(settings(**overrides))
+def engine(**overrides) -> LLM:
+    return LLM(settings(**overrides))
 
 
-def fresh_engine(**overrides) -> LLMEngine:
-    return LLMEngine(settings(**overrides))
+def fresh_engine(**overrides) -> LLM:
+    return LLM(settings(**overrides))
 
 
 @functools.lru_cache(maxsize=1)
 def sharegpt_prompts(num: int = 30, max_prompt_len: int = 200) -> list[list[int]]:
-    from pagedq.pipeline.sharegpt import sample_requests
+    from sharegpt import sample_requests
 
     tok = engine().tokenizer
     return [r.prompt_token_ids for r in sample_requests(tok, num, seed=1, max_prompt_len=max_prompt_len)]

@@ -2,17 +2,17 @@
 
 The stepping thread also builds the engine and runs anything else that
 computes with torch (a weight reload): OpenMP keeps a thread team per thread
-that starts parallel work, and once a process has two teams on a 2-core
-machine libgomp stops letting its idle threads spin, which makes every small
-operator wait for a sleeping thread (through the queue the engine ran at 85%
-of its offline speed before this).
+that starts parallel work, and a process with two teams on a 2-core machine
+lets its idle threads sleep, so every small operator waits for one to wake.
 
 Each generate task ``submit``s its job and waits on its ``Handle``; the
 stepping thread runs ``engine.step()`` while anything is unfinished, so a job
 that arrives mid-batch joins at the next step.  ``cancel`` aborts a job
-between steps (its KV blocks are freed by the engine).  After every step the
-thread publishes the worker's engine stats to Redis and, for jobs someone is
-streaming, their new text as deltas on the job's Redis stream.
+between steps (its KV blocks are freed by the engine).  Each job has one
+incremental detokenizer: it matches stop strings (and tells the engine to
+finish the job), produces the stream deltas, and the final text.  After every
+step the thread publishes the worker's engine stats to Redis and, for jobs
+someone is streaming, their new text as deltas on the job's Redis stream.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import redis
 
 from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
-from pagedq.config.registry import ModelInfo, register_model
-from pagedq.workers.detokenizer import decode_output, stable_prefix
-from pagedq.workers.distributed import ReplicaLostError
-from pagedq.workers.engine import LLMEngine, RequestOutput
-from pagedq.workers.sampling_params import SamplingParams
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.store.registry import ModelInfo, register_model
+from pagedq.workers.detokenizer import IncrementalDetokenizer
+from pagedq.workers.engine.executor import ReplicaLostError
+from pagedq.workers.engine.llm_engine import RequestOutput
+from pagedq.workers.llm import LLM, Generation, feed, finish
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ WORKER_KEY_TTL_S = 15  # a worker's Redis record outlives it by at most this
 IDLE_PUBLISH_S = 2.0
 
 
-def model_info(engine: LLMEngine, names: Names) -> ModelInfo:
+def model_info(engine: LLM, names: Names) -> ModelInfo:
     """What a worker registers for its model (the result cache keys on the fingerprint)."""
     return ModelInfo(engine.model_name, engine.fingerprint, engine.max_model_len, engine.cfg.vocab_size,
                      names.generate_queue(engine.model_name), str(engine.model_path))
@@ -52,11 +53,11 @@ class Handle:
     job: GenerateJob
     params: SamplingParams
     task_id: str
+    detokenizer: IncrementalDetokenizer
     done: threading.Event = field(default_factory=threading.Event)
-    output: RequestOutput | None = None  # the final output, once done
+    output: Generation | None = None  # the final output and text, once done
     num_tokens: int = 0
     stream: bool = False
-    streamed_chars: int = 0
     cancel_requested: bool = False
     requeue: bool = False  # aborted because the worker is shutting down
     duplicate: bool = False  # the job is already running here under another task
@@ -65,13 +66,13 @@ class Handle:
 
 
 class EngineService:
-    def __init__(self, make_engine: Callable[[], LLMEngine], client: redis.Redis, names: Names, hostname: str,
-                 stream_ttl_s: int = 3600, on_replica_lost=None) -> None:
+    def __init__(self, make_engine: Callable[[], LLM], client: redis.Redis, names: Names, hostname: str,
+                 result_ttl_s: int = 3600, on_replica_lost=None) -> None:
         self._make_engine = make_engine
-        self.engine: LLMEngine | None = None  # built by the stepping thread in ``start``
+        self.engine: LLM | None = None  # built by the stepping thread in ``start``
         self._calls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         self.on_replica_lost = on_replica_lost  # called once the jobs are handed back (the worker stops)
-        self.stream_ttl_s = stream_ttl_s
+        self.result_ttl_s = result_ttl_s  # a delta stream lives as long as the result
         self.r = client
         self.names = names
         self.hostname = hostname
@@ -81,9 +82,10 @@ class EngineService:
         self._stopping = threading.Event()
         self._last_publish = 0.0
         self.jobs_received = 0  # generate tasks taken since start
+        self.replica_lost = False
 
     # --- called from task / control threads --------------------------------
-    def start(self) -> LLMEngine:
+    def start(self) -> LLM:
         """Start the stepping thread; returns once it has built the engine (or raises what building raised)."""
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(built,), name="engine-step", daemon=True)
@@ -99,9 +101,11 @@ class EngineService:
         self._wake.set()
         return done.result()
 
-    def submit(self, job: GenerateJob, params: SamplingParams, task_id: str) -> Handle:
-        """Add a job to the engine (raises InvalidRequestError); the engine sees it at its next step."""
-        handle = Handle(job, params, task_id, stream=job.stream)
+    def submit(self, job: GenerateJob, task_id: str) -> Handle:
+        """Add a job to the engine (raises RequestError); the engine sees it at its next step."""
+        params = job.params
+        detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
+        handle = Handle(job, params, task_id, detok, stream=job.stream)
         with self._lock:
             if job.job_id in self.handles:  # a redelivered copy of a job running here: ends with the original
                 handle.duplicate = True
@@ -136,7 +140,7 @@ class EngineService:
         """Reload the model's weights from its folder and register the new fingerprint."""
         fingerprint = self.call(self.engine.reload_weights)
         register_model(self.r, self.names, model_info(self.engine, self.names))
-        self._publish_stats(force=True)
+        self._publish_stats()
         log.info("reloaded %s: fingerprint %s", self.engine.model_name, fingerprint[:12])
         return fingerprint
 
@@ -189,7 +193,8 @@ class EngineService:
                 if self._stopping.is_set():
                     self._release_all()
                     return
-                self._publish_stats(force=time.monotonic() - self._last_publish > IDLE_PUBLISH_S)
+                if time.monotonic() - self._last_publish > IDLE_PUBLISH_S:
+                    self._publish_stats()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -205,21 +210,20 @@ class EngineService:
             self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        streamed: list[tuple[Handle, RequestOutput]] = []
+        pipe = self.r.pipeline(transaction=False)
         step = self.engine.stats.steps
         for out in outputs:
             handle = self.handles.get(out.request_id)
             if handle is None:
                 continue
             handle.num_tokens = len(out.output_token_ids)
-            if handle.stream:
-                streamed.append((handle, out))
+            if handle.stream or handle.detokenizer.stop:
+                feed(handle.detokenizer, out, self.engine.engine)
             if out.finished:
-                handle.output, handle.finished_step = out, step
-        pipe = self.r.pipeline(transaction=False)
-        for handle, out in streamed:
-            self._stream_delta(pipe, handle, out)
-        self._publish_stats(pipe=pipe, force=True)
+                handle.output, handle.finished_step = finish(handle.detokenizer, out), step
+            if handle.stream:
+                self._stream_delta(pipe, handle, out.finished)
+        self._publish_stats(pipe=pipe)
         try:
             pipe.execute()
         except redis.RedisError as e:
@@ -231,6 +235,7 @@ class EngineService:
     def _replica_lost(self, error: ReplicaLostError) -> None:
         """A stage process of the engine died: every job goes back to the queue, and the worker stops."""
         log.error("replica lost (%s): requeueing %d job(s), taking no more work", error, len(self.handles))
+        self.replica_lost = True
         self.shutdown()
         self._release_all()
         if self.on_replica_lost is not None:
@@ -252,23 +257,14 @@ class EngineService:
             self.engine.abort_request(handle.job.job_id)
             self._release(handle.job.job_id)
 
-    def _stream_delta(self, pipe, handle: Handle, out: RequestOutput) -> None:
-        text, _ = decode_output(self.engine.tokenizer, out.output_token_ids, handle.params.stop)
-        if not out.finished:
-            # Hold back what could still turn into a stop string, and half-decoded characters.
-            hold = max((len(s) for s in handle.params.stop), default=1) - 1
-            text = stable_prefix(text)
-            text = text[: max(len(text) - hold, 0)]
-        delta = text[handle.streamed_chars:]
+    def _stream_delta(self, pipe, handle: Handle, finished: bool) -> None:
+        delta = handle.detokenizer.delta(finished)
         if delta:
             key = self.names.stream(handle.job.job_id)
-            pipe.xadd(key, {"type": "delta", "text": delta, "tokens": len(out.output_token_ids)})
-            pipe.expire(key, self.stream_ttl_s)
-            handle.streamed_chars = len(text)
+            pipe.xadd(key, {"type": "delta", "text": delta, "tokens": handle.num_tokens})
+            pipe.expire(key, self.result_ttl_s)
 
-    def _publish_stats(self, pipe=None, force: bool = False) -> None:
-        if not force:
-            return
+    def _publish_stats(self, pipe=None) -> None:
         self._last_publish = time.monotonic()
         e = self.engine
         stats = {"steps": e.stats.steps, "free_blocks": e.block_manager.num_free_blocks,

@@ -1,0 +1,40 @@
+"""How to pick the next token, and when to stop: what a GenerateJob carries to the engine.
+
+A plain record: what is valid is decided once, at the edge, by the request
+schema (``pagedq.pipeline.protocol``), which builds these.  ``stop`` strings
+are matched on text by the detokenizer outside the engine core; the core
+stops on token ids (EOS, ``stop_token_ids``) and on length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (dividing logits by it would overflow).
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # < GREEDY_EPSILON = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off; larger than the vocabulary = off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

@@ -1,0 +1,174 @@
+"""``pagedq cpu-worker``: the Celery CPU worker, with the preprocess and postprocess tasks.
+
+- ``preprocess`` (queue ``pagedq.preprocess``): re-validates the request,
+  waits (by retrying) until a GPU worker has registered the model, applies the
+  chat template, tokenizes, checks the context length against the registered
+  model, and sends the job to ``pagedq.generate.<model>`` at the broker
+  priority of its pagedq priority.
+- ``postprocess`` (queue ``pagedq.results``), the result consumer:
+  detokenizes, applies stop strings, builds the chat / text completion object,
+  and publishes result + state in one atomic, once-only step.
+
+Both share ``preprocess.py`` / ``postprocess.py`` with the offline path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from celery import Celery
+from celery.exceptions import Reject, Retry
+
+from pagedq.config import Settings
+from pagedq.config.celery_app import make_celery
+from pagedq.config.messages import (
+    Completion,
+    GenerateJob,
+    MalformedMessageError,
+    PreprocessJob,
+    check_context,
+    parse_message,
+    to_json,
+)
+from pagedq.config.names import (
+    GENERATE_TASK,
+    POSTPROCESS_TASK,
+    PREPROCESS_TASK,
+    JobState,
+    Names,
+    broker_priority,
+)
+from pagedq.pipeline.postprocess import build_response
+from pagedq.pipeline.preprocess import render_prompt
+from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
+from pagedq.store.connection import broker_url, redis_client
+from pagedq.store.jobs import JobStore
+from pagedq.store.registry import lookup_model
+from pagedq.store.result_cache import ResultCache
+from pagedq.workers.celery_worker import run_celery_worker
+from pagedq.workers.processes import worker_hostname
+
+log = logging.getLogger(__name__)
+MODEL_WAIT_RETRY_S = 1.0
+
+
+class Tokenizers:
+    """Each model's tokenizer, loaded once per process.
+
+    From the folder the GPU worker registered when it exists on this host (so a CPU worker never
+    converts the packaged model while a GPU worker does), else from the model's own folder here.
+    """
+
+    def __init__(self, state_dir, registered_path) -> None:
+        self.state_dir = state_dir
+        self.registered_path = registered_path  # model name -> the registered folder, or ""
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, model: str):
+        with self._lock:
+            if model not in self._cache:
+                from transformers import AutoTokenizer
+
+                from pagedq.workers.model.loader import resolve_model
+
+                path = self.registered_path(model)
+                if not (path and os.path.isdir(path)):
+                    path = resolve_model(model, self.state_dir).path
+                self._cache[model] = AutoTokenizer.from_pretrained(path)
+            return self._cache[model]
+
+
+def parse_or_reject(cls, payload, task: str, task_id: str):
+    try:
+        return parse_message(cls, payload)
+    except MalformedMessageError as e:
+        log.error("%s task %s: dropped a malformed message: %s", task, task_id, e)
+        raise Reject(f"malformed message: {e}", requeue=False) from None
+
+
+class ModelNotServedError(LookupError):
+    pass
+
+
+def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> GenerateJob:
+    """The GenerateJob for a request; raises RequestError, or ModelNotServedError while no worker has it."""
+    req = parse_request(msg.url, msg.body)
+    if req.model is None:
+        raise RequestError("model: missing (the client fills it in)", "model")
+    info = lookup_model(r, names, req.model)
+    if info is None:
+        raise ModelNotServedError(req.model)
+    ids = render_prompt(tokenizers.get(req.model), req)
+    params = to_sampling_params(req)
+    check_context(ids, params.max_tokens, info.max_model_len, info.vocab_size)
+    kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
+    return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream)
+
+
+def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, names: Names,
+                       tokenizers: Tokenizers) -> None:
+    max_model_waits = int(settings.model_wait_s / MODEL_WAIT_RETRY_S)
+    cache = ResultCache(r, names, settings.result_cache_ttl_s, settings.result_cache_max_bytes)
+
+    @app.task(name=PREPROCESS_TASK, bind=True, max_retries=None)
+    def preprocess(self, payload):
+        msg = parse_or_reject(PreprocessJob, payload, "preprocess", self.request.id)
+        verdict = store.admit(msg.job_id)
+        if verdict != "ok":
+            store.settle(msg.job_id, verdict)
+            return {"job_id": msg.job_id, "skipped": verdict}
+        try:
+            job = prepare(msg, r, names, tokenizers)
+        except ModelNotServedError as e:
+            if self.request.retries < max_model_waits:
+                raise self.retry(countdown=MODEL_WAIT_RETRY_S) from None
+            error = RequestError(f"model: no worker serves {e.args[0]!r}", "model", "model_not_found")
+            store.finish(msg.job_id, JobState.FAILED, error=error.to_dict())
+            return {"job_id": msg.job_id, "failed": "model_not_found"}
+        except RequestError as e:
+            store.finish(msg.job_id, JobState.FAILED, error=e.to_dict())
+            return {"job_id": msg.job_id, "failed": str(e)}
+        except Retry:
+            raise
+        except Exception as e:  # noqa: BLE001 - every accepted job ends: this one, with the reason
+            log.exception("preprocess of job %s failed", msg.job_id)
+            error = RequestError(f"preprocess failed: {type(e).__name__}: {e}", code="server_error")
+            store.finish(msg.job_id, JobState.FAILED, error=error.to_dict())
+            return {"job_id": msg.job_id, "failed": "server_error"}
+        store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids))
+        self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority))
+        return {"job_id": msg.job_id, "prompt_tokens": len(job.prompt_token_ids)}
+
+    @app.task(name=POSTPROCESS_TASK, bind=True)
+    def postprocess(self, payload):
+        c = parse_or_reject(Completion, payload, "postprocess", self.request.id)
+        body = build_response(c, tokenizers.get(c.model))
+        published = store.finish(c.request_id, JobState.COMPLETED, result=body)
+        if not published:
+            log.info("job %s: already final or unknown; result not published again", c.request_id)
+        elif c.finish_reason in ("stop", "length") and (key := r.hget(names.job(c.request_id), "cache_key")):
+            cache.put(key, body)  # the producer keyed it: a deterministic request of a registered model
+        return {"job_id": c.request_id, "published": published,
+                "finish_reason": body["choices"][0]["finish_reason"]}
+
+
+def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: str = "INFO") -> None:
+    url = broker_url(settings)
+    r = redis_client(url)
+    names = Names.from_settings(settings)
+    hostname = hostname or worker_hostname("cpu")
+    app = make_celery(settings, url)
+    tokenizers = Tokenizers(settings.state_dir, lambda model: getattr(lookup_model(r, names, model), "path", ""))
+    if lookup_model(r, names, settings.model) is not None:  # load its tokenizer before taking work
+        try:
+            tokenizers.get(settings.model)
+        except Exception as e:  # noqa: BLE001 - other models may still be served
+            log.warning("could not load the tokenizer of %s: %s", settings.model, e)
+    register_cpu_tasks(app, settings, r, JobStore(r, names, settings.result_ttl_s), names, tokenizers)
+    # Results first: at equal priority, finishing a job beats starting another.
+    run_celery_worker(app, r, names.worker(hostname), {"role": "cpu"},
+                      queues=[names.results_queue, names.preprocess_queue],
+                      concurrency=settings.cpu_worker_concurrency, hostname=hostname, loglevel=loglevel)

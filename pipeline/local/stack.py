@@ -1,0 +1,147 @@
+"""A whole deployment on one machine, as child processes.
+
+The broker (an embedded ``redis-server`` unless ``PAGEDQ_BROKER_URL`` is set or
+one is already running), GPU workers (``pagedq worker``) and CPU workers
+(``pagedq cpu-worker``).  ``pagedq up``,
+``pagedq run-batch`` (queued), the benchmark and the tests all use it.  Stop
+order: GPU workers (their running jobs go back to the queue), CPU workers,
+then the broker, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from subprocess import Popen
+
+from pagedq.config import Settings
+from pagedq.config.names import Names
+from pagedq.pipeline.local.redis_server import ensure_broker
+from pagedq.store.connection import redis_client
+from pagedq.store.registry import live_workers
+from pagedq.workers.processes import spawn, stop, wait_or_kill, worker_hostname
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    hostname: str
+    role: str  # "gpu" | "cpu"
+    proc: Popen
+    log_path: Path | None
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """PAGEDQ_* variables that give a child process the same settings as ``settings``."""
+    env = {}
+    for name in settings.model_fields_set:
+        value = getattr(settings, name)
+        if value is not None:
+            env[f"PAGEDQ_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
+class Stack:
+    def __init__(self, settings: Settings, model: str | None = None, gpu_workers: int = 1, cpu_workers: int = 1,
+                 log_dir: Path | None = None, reuse_workers: bool = False, loglevel: str = "INFO",
+                 env: dict[str, str] | None = None) -> None:
+        self.settings = settings
+        self.model = model or settings.model
+        self.num_gpu, self.num_cpu = gpu_workers, cpu_workers
+        self.log_dir = log_dir
+        self.reuse_workers = reuse_workers
+        self.loglevel = loglevel
+        self.env = env or {}
+        self.names = Names.from_settings(settings)
+        self.children: list[Child] = []
+        self.url: str | None = None
+        self._exit = ExitStack()
+
+    def start(self, timeout: float = 600) -> Stack:
+        try:
+            self.url = self._exit.enter_context(ensure_broker(self.settings))
+            gpu, cpu = self._workers_needed()
+            for i in range(gpu):
+                first = self.add_worker("gpu")
+                if i == 0 and gpu > 1:  # it converts the packaged model on first use; the others then load it
+                    self.wait_ready(timeout, [first])
+            for _ in range(cpu):
+                self.add_worker("cpu")
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _workers_needed(self) -> tuple[int, int]:
+        if not self.reuse_workers:
+            return self.num_gpu, self.num_cpu
+        live = [w for w in live_workers(redis_client(self.url), self.names).values() if w.get("ready") == "1"]
+        has_gpu = any(w.get("role") == "gpu" and w.get("model") == self.model for w in live)
+        has_cpu = any(w.get("role") == "cpu" for w in live)
+        return (0 if has_gpu else self.num_gpu), (0 if has_cpu else self.num_cpu)
+
+    def add_worker(self, role: str, extra_env: dict[str, str] | None = None) -> Child:
+        hostname = worker_hostname(role, len(self.children))
+        verb = "worker" if role == "gpu" else "cpu-worker"
+        cmd = [sys.executable, "-m", "pagedq.pipeline.cli", verb, "--hostname", hostname, "--loglevel", self.loglevel]
+        if role == "gpu":
+            cmd += ["--model", self.model]
+        log_path = None
+        if self.log_dir:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+            log_path = Path(self.log_dir) / f"{hostname.split('@')[0]}.log"
+        env = {**settings_env(self.settings), **self.env, **(extra_env or {}), "PAGEDQ_BROKER_URL": self.url}
+        child = Child(hostname, role, spawn(cmd, log_path, env), log_path)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, timeout: float = 600, children: list[Child] | None = None) -> None:
+        r = redis_client(self.url)
+        pending = list(children or self.children)
+        deadline = time.monotonic() + timeout
+        while pending:
+            for child in list(pending):
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{child.role} worker {child.hostname} exited with {child.proc.returncode}"
+                                       + (f"; see {child.log_path}" if child.log_path else ""))
+                if r.hget(self.names.worker(child.hostname), "ready") == "1":
+                    pending.remove(child)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready after {timeout} s: {[c.hostname for c in pending]}")
+            time.sleep(0.1)
+
+    def stop_worker(self, child: Child, timeout: float = 60) -> int | None:
+        code = stop(child.proc, timeout)
+        self.children.remove(child)
+        return code
+
+    def stop(self) -> None:
+        for role in ("gpu", "cpu"):
+            group = [c for c in self.children if c.role == role]
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.terminate()  # warm shutdown; all of a role stop in parallel
+            for child in group:
+                wait_or_kill(child.proc, 60)
+                self.children.remove(child)
+        self._exit.close()
+
+    def wait(self) -> Child:
+        """Block until some child exits (``pagedq up`` runs until Ctrl-C or a crash)."""
+        while True:
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    return child
+            time.sleep(0.5)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

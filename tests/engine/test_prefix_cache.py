@@ -1,0 +1,109 @@
+"""Automatic prefix caching: same tokens with it on or off; blocks reused, counted, evicted LRU."""
+
+from __future__ import annotations
+
+import random
+
+from engine_fixtures import fresh_engine, greedy, sharegpt_prompts
+
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.engine.block_manager import BlockManager
+from pagedq.workers.engine.sequence import Sequence
+
+SYSTEM = ("You are the support assistant of a company that runs message queues for machine learning jobs. "
+          "Answer briefly, be precise about commands and never invent features. ") * 10
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run_waves(engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """First prompt alone (fills the cache), then the rest together."""
+    first = engine.generate(prompts[:1], greedy(tokens))
+    rest = engine.generate(prompts[1:], greedy(tokens))
+    return [o.output_token_ids for o in first + rest]
+
+
+def test_shared_system_prompt_same_tokens_fewer_computed():
+    on, off = fresh_engine(enable_prefix_caching=True), fresh_engine(enable_prefix_caching=False)
+    questions = ["How do I cancel a job?", "What is a priority queue?", "Can two workers share a GPU?",
+                 "Why is my job still queued?", "How do I read results in Python?"]
+    prompts = [chat_ids(on.tokenizer, q) for q in questions]
+    assert len(prompts[0]) > 300
+    assert run_waves(on, prompts, 24) == run_waves(off, prompts, 24)
+    shared_blocks = len(chat_ids(on.tokenizer, "")) // 16 - 1
+    assert on.stats.prefix_hits >= (len(prompts) - 1) * shared_blocks * 16
+    assert on.stats.prompt_tokens_computed < off.stats.prompt_tokens_computed * 0.4
+
+
+def test_repeated_identical_prompt():
+    on, off = fresh_engine(enable_prefix_caching=True), fresh_engine(enable_prefix_caching=False)
+    prompt = sharegpt_prompts()[4]
+    outs_on = [on.generate([prompt], greedy(20))[0] for _ in range(3)]
+    outs_off = [off.generate([prompt], greedy(20))[0] for _ in range(3)]
+    assert [o.output_token_ids for o in outs_on] == [o.output_token_ids for o in outs_off]
+    full = (len(prompt) - 1) // 16 * 16  # one token is always recomputed
+    assert [o.num_cached_tokens for o in outs_on] == [0, full, full]
+    assert all(o.num_cached_tokens == 0 for o in outs_off)
+
+
+def test_prefix_ending_mid_block():
+    on, off = fresh_engine(enable_prefix_caching=True), fresh_engine(enable_prefix_caching=False)
+    base = sharegpt_prompts()[6][:45]
+    variant = base[:37] + [random.randint(100, 40000) for _ in range(20)]  # diverges inside block 3
+    for eng in (on, off):
+        eng.generate([base], greedy(16))
+    got = [on.generate([variant], greedy(16))[0], off.generate([variant], greedy(16))[0]]
+    assert got[0].output_token_ids == got[1].output_token_ids
+    assert got[0].num_cached_tokens == 32, "two full blocks shared, the third differs mid-block"
+
+
+def test_cached_blocks_survive_until_evicted_in_lru_order():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True, extra_key="m")
+    a, b = Sequence("a", list(range(1, 10)), SamplingParams()), Sequence("b", list(range(50, 59)), SamplingParams())
+    for seq in (a, b):
+        assert bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.cache_full_blocks(seq)
+    assert bm.num_free_blocks == 0
+    bm.free_sequence(a)  # a's 2 full blocks stay cached; its partial block is plain free
+    bm.free_sequence(b)
+    assert bm.num_free_blocks == 6 and len(bm.cached) == 4
+    again = Sequence("a2", list(range(1, 10)), SamplingParams())
+    assert len(bm.find_cached_prefix(again)) == 2
+    # a newcomer needing 3 fresh blocks takes the 2 empty ones first, then evicts one cached block:
+    # the least recently freed sequence's tail block (its head is the part other prompts share)
+    c = Sequence("c", list(range(200, 212)), SamplingParams())
+    assert bm.allocate(c, 12)
+    assert len(bm.cached) == 3
+    assert len(bm.find_cached_prefix(Sequence("a3", list(range(1, 10)), SamplingParams()))) == 1
+    assert len(bm.find_cached_prefix(Sequence("b2", list(range(50, 59)), SamplingParams()))) == 2
+
+
+def test_shared_blocks_are_reference_counted():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    first = Sequence("1", list(range(1, 13)), SamplingParams())
+    assert bm.allocate(first, 12)
+    first.num_computed_tokens = 12
+    bm.cache_full_blocks(first)
+    second = Sequence("2", list(range(1, 13)) + [99], SamplingParams())
+    hit = bm.find_cached_prefix(second)
+    assert hit == first.block_table[:3]
+    assert bm.allocate(second, 1, hit)
+    assert [bm.blocks[b].ref_count for b in hit] == [2, 2, 2]
+    bm.free_sequence(first)
+    assert [bm.blocks[b].ref_count for b in hit] == [1, 1, 1] and bm.num_used_blocks == 4
+    bm.free_sequence(second)
+    assert bm.num_used_blocks == 0
+
+
+def test_prefix_cache_off_never_shares():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    s = Sequence("1", list(range(1, 13)), SamplingParams())
+    bm.allocate(s, 12)
+    s.num_computed_tokens = 12
+    bm.cache_full_blocks(s)
+    assert bm.find_cached_prefix(Sequence("2", list(range(1, 13)), SamplingParams())) == [] and not bm.cached

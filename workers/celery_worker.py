@@ -1,0 +1,23 @@
+"""Running a Celery worker the pagedq way (GPU and CPU workers alike).
+
+The worker's Redis record (``names.worker(hostname)``: role, pid, ready) is
+kept alive by a heartbeat while the process runs, and marked ``ready`` once
+Celery's consumer is up; then Celery's own worker loop runs until shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+
+import redis
+from celery import Celery, signals
+
+from pagedq.store.registry import Heartbeat
+
+
+def run_celery_worker(app: Celery, r: redis.Redis, record_key: str, record: dict, *, queues: list[str],
+                      concurrency: int, hostname: str, loglevel: str = "INFO", ttl_s: int = 15) -> None:
+    Heartbeat(r, record_key, {**record, "pid": os.getpid(), "ready": 0}, ttl_s).start()
+    signals.worker_ready.connect(lambda **_: r.hset(record_key, "ready", 1), weak=False)
+    app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues", ",".join(queues),
+                     "--hostname", hostname, "--without-gossip", "--without-mingle", "--loglevel", loglevel])

@@ -1,0 +1,252 @@
+"""LLMEngine: requests in, tokens out, one continuous batch.  No I/O, no tokenizer.
+
+One step reads::
+
+    sched = scheduler.schedule()            # which tokens of which sequences
+    executor.submit(sched); executor.collect()   # run the model, sample
+    scheduler.update_from_output(result)     # bookkeeping, stops by token id / length
+
+``add_request``, ``abort_request`` and ``finish_request`` may be called from
+any thread; they take effect at the start of the next step.  Stop strings are
+not the core's business: whoever detokenizes the output calls
+``finish_request(id, "stop")`` and the sequence ends at the next step.
+
+Building an engine (loading a model, choosing an executor) is ``pagedq.workers.llm``'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedq.config.messages import RequestError, check_context
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.engine.block_manager import BlockManager
+from pagedq.workers.engine.executor import Executor, ReplicaLostError
+from pagedq.workers.engine.scheduler import Scheduler, SchedulerStats
+from pagedq.workers.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """What the core needs to know about the model and the KV pool."""
+
+    model_name: str
+    fingerprint: str  # of the weights: the prefix cache's blocks are keyed by it
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 1024
+    scheduling_policy: str = "priority"
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    num_prompt_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)  # every generated token's, when asked for
+    num_preemptions: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.block_manager = BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          extra_key=f"{config.model_name}:{config.fingerprint}")
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy, config.eos_token_ids, config.max_model_len)
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.requests: dict[str, Sequence] = {}
+        self.lock = threading.Lock()  # held during a step
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def fingerprint(self) -> str:
+        return self.config.fingerprint
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    def reset_stats(self) -> SchedulerStats:
+        return self.scheduler.reset_stats()
+
+    # --- requests ---------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a request this engine cannot run."""
+        check_context(prompt_token_ids, params.max_tokens, self.config.max_model_len, self.config.vocab_size)
+        need = len(prompt_token_ids) + params.max_tokens
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if need > capacity:
+            raise RequestError(f"prompt + max_tokens = {need} tokens exceed the KV cache ({capacity} tokens); "
+                               "raise kv_cache_memory", "max_tokens", code="context_length_exceeded")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        self.validate(prompt_token_ids, params)
+        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params, priority)))
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def finish_request(self, request_id: str, reason: str = "stop", stop_reason: int | str | None = None) -> None:
+        """End a request from outside the core (a stop string matched); its last output says ``reason``."""
+        self._inbox.put(("finish", (request_id, reason, stop_reason)))
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        ended: list[RequestOutput] = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return ended
+            if kind == "add":
+                if item.request_id in self.requests:
+                    log.warning("request %s already in the engine; duplicate ignored", item.request_id)
+                    continue
+                self.requests[item.request_id] = item
+                self.scheduler.add(item)
+            elif kind == "abort":
+                self._end(item, "abort", None, ended)
+            else:
+                self._end(*item, ended)
+
+    def _end(self, request_id: str, reason: str, stop_reason, ended: list[RequestOutput]) -> None:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        seq.stop_reason = stop_reason
+        if self.scheduler.finish(seq, reason):
+            self._retire(seq)
+            ended.append(self._output(seq, 0))
+        # else: in a micro-batch in flight; it ends when that comes back (update_from_output)
+
+    def _retire(self, seq: Sequence) -> None:
+        del self.requests[seq.request_id]
+        self.executor.forget(seq.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or not self._inbox.empty()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the step ---------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule micro-batches until the executor is full, then take the oldest one's tokens.
+
+        In one process that is one batch, run at once.  With S pipeline stages
+        up to S micro-batches are in flight, none sharing a sequence.
+        """
+        with self.lock:
+            outputs = self._drain_inbox()
+            ex = self.executor
+            while ex.num_inflight < ex.max_inflight:
+                sched = self.scheduler.schedule(self._micro_batch_seats())
+                if sched.is_empty:
+                    break
+                ex.submit(sched)
+            if not ex.num_inflight:
+                ex.check()
+                return outputs
+            result = ex.collect()
+            stepped, finished = self.scheduler.update_from_output(result)
+            outputs.extend(self._output(seq, 1) for seq in stepped)
+            for seq in finished:
+                if seq not in stepped:  # ended from outside while in flight
+                    outputs.append(self._output(seq, 0))
+                self._retire(seq)
+            return outputs
+
+    def _micro_batch_seats(self) -> int | None:
+        """Running sequences the next micro-batch may take: an even share of all of them.
+
+        A share of *all* running sequences, not of those not in flight: otherwise the micro-batch
+        that comes back first keeps every newcomer it admitted, its group grows, and the stages
+        wait on the big micro-batch.
+        """
+        slots = self.executor.max_inflight
+        if slots == 1:
+            return None
+        return max(1, -(-len(self.scheduler.running) // slots))
+
+    def healthy(self) -> bool:
+        """False once a process of this engine's replica has died (always True in one process)."""
+        try:
+            self.executor.check()
+            return True
+        except ReplicaLostError:
+            return False
+
+    def shutdown(self) -> None:
+        """Stop the replica's other processes (nothing to do in one process)."""
+        self.executor.shutdown()
+
+    def _output(self, seq: Sequence, num_new: int) -> RequestOutput:
+        new = seq.token_ids[-num_new:] if num_new else []
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens, finished=seq.is_finished, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_prompt_tokens,
+            logprobs=list(seq.logprobs), num_preemptions=seq.num_preemptions)
+
+    # --- conveniences -----------------------------------------------------
+    def run(self, requests: list[tuple[str, list[int], SamplingParams, int]],
+            on_output: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
+        """Step until every request ``(id, prompt ids, params, priority)`` has finished; final outputs by id."""
+        for request_id, prompt, params, priority in requests:
+            self.add_request(request_id, prompt, params, priority)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(requests):
+            for out in self.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    finished[out.request_id] = out
+        return finished
+
+    def replace_executor(self, executor: Executor, fingerprint: str) -> None:
+        """New weights: a new executor and KV pool; requests in flight are recomputed from their tokens."""
+        with self.lock:
+            self.executor.shutdown()
+            self.executor = executor
+            self.config.fingerprint = fingerprint
+            running = list(self.requests.values())
+            old = self.scheduler
+            self.block_manager = BlockManager(executor.num_blocks, self.config.block_size,
+                                              self.config.enable_prefix_caching,
+                                              extra_key=f"{self.config.model_name}:{fingerprint}")
+            self.scheduler = Scheduler(self.block_manager, old.max_num_seqs, old.max_num_batched_tokens,
+                                       old.policy, old.eos_token_ids, old.max_model_len)
+            self.scheduler.stats = old.stats
+            for seq in running:  # their blocks belonged to the old pool
+                seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+                self.scheduler.add(seq)
+
+
+def new_request_id(prefix: str = "gen") -> str:
+    return f"{prefix}-{time.monotonic_ns()}"

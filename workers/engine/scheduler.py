@@ -1,0 +1,260 @@
+"""Iteration-level scheduling: which tokens of which sequences run in the next step.
+
+``schedule()`` plans one step (one micro-batch): it first gives each running
+sequence its next tokens (one for a decode, a chunk for an unfinished
+prefill), most urgent first, then admits waiting sequences while the token
+budget and seat count allow; a prompt longer than what is left of the budget
+is prefilled in chunks over several steps.  When the KV pool runs dry the
+least urgent running sequence is preempted: its blocks are freed and it waits
+to be recomputed.
+
+``update_from_output()`` takes the step's sampled tokens back and does all of
+the step's bookkeeping: computed tokens, full blocks into the prefix cache,
+new tokens appended, stops by token id or length, finished sequences out of
+the running set with their blocks freed.
+
+Urgency is ``(priority desc, arrival asc)`` under the ``priority`` policy and
+arrival order under ``fcfs``.
+
+With pipeline stages several micro-batches are in flight at once.  A
+sequence in one of them is *busy*: its next token is not known yet, so it is
+neither scheduled, preempted nor freed until its micro-batch comes back (an
+abort of a busy sequence waits for that), and ``max_running`` caps how many
+running sequences one micro-batch takes, so the running set splits evenly
+across the micro-batches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+from pagedq.workers.engine.block_manager import BlockManager
+from pagedq.workers.engine.executor import StepResult
+from pagedq.workers.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started, or since the last ``reset_stats()``."""
+
+    steps: int = 0  # micro-batches whose tokens came back
+    prompt_tokens_computed: int = 0  # includes recomputation after preemption
+    generated_tokens: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, served from it
+    kv_slots_allocated: int = 0  # summed over steps: blocks held by running sequences x block size
+    kv_tokens_stored: int = 0  # summed over steps: tokens those blocks hold
+    kv_peak_slots: int = 0  # the most slots running sequences held at once
+    kv_peak_waste_fraction: float = 0.0  # share of those holding no token, at that step
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        """Share of allocated KV slots holding no token, averaged over steps."""
+        return 1 - self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(kv_waste_fraction=self.kv_waste_fraction, prefix_hit_rate=self.prefix_hit_rate)
+        return d
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "priority", eos_token_ids: frozenset[int] = frozenset(),
+                 max_model_len: int = 1 << 30) -> None:
+        if policy not in ("priority", "fcfs"):
+            raise ValueError(f"scheduling policy must be 'priority' or 'fcfs', not {policy!r}")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.waiting: list[tuple[tuple, Sequence]] = []  # heap of (urgency key, seq)
+        self.running: list[Sequence] = []  # most urgent first
+        self.busy: set[int] = set()  # id() of sequences in micro-batches in flight
+        self._deferred: dict[int, tuple[Sequence, str]] = {}  # busy sequences to finish when they come back
+        self.stats = SchedulerStats()
+
+    def reset_stats(self) -> SchedulerStats:
+        """Start a fresh measurement; returns the counters of the one that ends."""
+        ended, self.stats = self.stats, SchedulerStats()
+        return ended
+
+    def urgency(self, seq: Sequence) -> tuple:
+        return (-seq.priority, seq.arrival) if self.policy == "priority" else (seq.arrival,)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self.waiting, (self.urgency(seq), seq))
+
+    def finish(self, seq: Sequence, reason: str) -> bool:
+        """End a sequence from outside (abort, stop string): out of the queues, blocks freed.
+
+        Returns False when the sequence is in a micro-batch in flight: it ends when that comes back.
+        """
+        if id(seq) in self.busy:
+            self._deferred[id(seq)] = (seq, reason)
+            return False
+        self._remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        return True
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting = [item for item in self.waiting if item[1] is not seq]
+            heapq.heapify(self.waiting)
+        self.bm.free_sequence(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.free_sequence(seq)
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def _least_urgent_idle(self) -> Sequence | None:
+        return next((s for s in reversed(self.running) if id(s) not in self.busy), None)
+
+    # --- planning a step ------------------------------------------------------
+    def schedule(self, max_running: int | None = None) -> SchedulerOutput:
+        """Plan one micro-batch of sequences not already in flight; they are busy until it comes back."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        seats = max_running or len(self.running)  # no cap unless asked
+        planned: dict[int, int] = {}  # id(seq) -> tokens this step
+
+        # 1. Running sequences, most urgent first; preempt from the least urgent end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0 and len(planned) < seats:
+            seq = self.running[i]
+            if id(seq) in self.busy:
+                i += 1
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, n):
+                victim = self._least_urgent_idle()  # never None: seq itself is idle
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                planned[id(seq)] = n
+                budget -= n
+                i += 1
+                continue
+            break
+
+        # 2. Waiting sequences, unless this step already had to preempt.
+        while self.waiting and budget > 0 and not out.preempted:
+            seq = self.waiting[0][1]
+            if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, out):
+                break
+            n = self._admit(seq, budget)
+            while n is None and self._make_room(seq, planned, out):
+                n = self._admit(seq, budget)  # the victim's blocks may have been our prefix
+            if n is None:
+                break
+            budget = self.max_num_batched_tokens - sum(planned.values()) - n
+            heapq.heappop(self.waiting)
+            if seq.num_preemptions == 0:
+                self.stats.prefix_queries += seq.num_prompt_tokens
+                self.stats.prefix_hits += seq.num_computed_tokens
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self.urgency)
+            planned[id(seq)] = n
+
+        out.scheduled = [(s, planned[id(s)]) for s in self.running if id(s) in planned]
+        self.busy.update(planned)
+        self._record_kv_usage(planned)
+        return out
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Give a waiting sequence its cached prefix and room for its next chunk: the chunk's size, or None."""
+        cached = self.bm.find_cached_prefix(seq)
+        n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
+        return n if self.bm.allocate(seq, n, cached) else None
+
+    def _make_room(self, seq: Sequence, planned: dict[int, int], out: SchedulerOutput) -> bool:
+        """Under the priority policy, preempt the least urgent idle running sequence if ``seq`` outranks it."""
+        victim = self._least_urgent_idle() if self.policy == "priority" else None
+        if victim is None or victim.priority >= seq.priority:
+            return False
+        planned.pop(id(victim), None)
+        self._preempt(victim, out)
+        out.preempted.remove(victim)  # a priority swap, not a shortage: admission continues
+        return True
+
+    def _record_kv_usage(self, planned: dict[int, int]) -> None:
+        """Slots held by running sequences' blocks vs the tokens in them once this batch is written."""
+        allocated = sum(len(seq.block_table) for seq in self.running) * self.bm.block_size
+        stored = sum(seq.num_computed_tokens + planned.get(id(seq), 0) for seq in self.running)
+        st = self.stats
+        st.kv_slots_allocated += allocated
+        st.kv_tokens_stored += stored
+        if allocated > st.kv_peak_slots:
+            st.kv_peak_slots, st.kv_peak_waste_fraction = allocated, 1 - stored / allocated
+
+    # --- taking a step's results back ---------------------------------------------
+    def update_from_output(self, result: StepResult) -> tuple[list[Sequence], list[Sequence]]:
+        """Apply a micro-batch's sampled tokens.
+
+        Returns (sequences that got a token, sequences that finished); the finished ones have
+        left the scheduler and their blocks are free (full blocks stay in the prefix cache).
+        """
+        st = self.stats
+        for seq, n in result.sched.scheduled:
+            self.busy.discard(id(seq))
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                st.prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+        finished: list[Sequence] = []
+        for seq, token, logprob in zip(result.seqs, result.sampled.token_ids, result.sampled.logprobs,
+                                       strict=True):
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self._check_stop(seq, token)
+            if seq.is_finished:
+                self._remove(seq)
+                finished.append(seq)
+        for seq, _ in result.sched.scheduled:
+            if (deferred := self._deferred.pop(id(seq), None)) and not seq.is_finished:
+                self.finish(seq, deferred[1])
+                finished.append(seq)
+        st.steps += 1
+        st.generated_tokens += len(result.seqs)
+        return result.seqs, finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason, stop = None, None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop = "stop", token
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop

@@ -1,0 +1,222 @@
+"""``pagedq worker``: the Celery GPU worker, one engine serving one model's queue.
+
+``run_worker`` loads the model once (on the engine's stepping thread),
+registers it in Redis, then runs a Celery worker on the model's queue with a
+threads pool of ``worker_max_inflight`` (prefetch 1 each): that many generate
+tasks are in flight at once, all feeding the one engine.  Any number of
+these, on any hosts, may consume the same model queue.
+
+- ``generate`` (queue ``pagedq.generate.<model>``): admits the job (in_progress,
+  one more attempt), hands it to the engine service, waits, then sends the
+  Completion to postprocess by task name.  A cancelled job ends here; a job
+  aborted by a worker shutdown is rejected with requeue, so another worker
+  (or this one, restarted) takes it.
+- ``ProgressReporter``: every ``progress_interval_s``, a ``task-progress``
+  event (tokens so far) per running task, which Flower shows as the task's
+  PROGRESS state, and the same count in the job record.
+- ``ControlListener``: cancel / stream requests published by clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import redis
+from celery import Celery, signals
+from celery.exceptions import Reject
+
+from pagedq.config import Settings
+from pagedq.config.celery_app import make_celery
+from pagedq.config.messages import (
+    Completion,
+    GenerateJob,
+    MalformedMessageError,
+    RequestError,
+    parse_message,
+    to_json,
+)
+from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, JobState, Names, broker_priority
+from pagedq.store.connection import broker_url, redis_client
+from pagedq.store.jobs import JobStore
+from pagedq.store.registry import register_model
+from pagedq.workers.celery_worker import run_celery_worker
+from pagedq.workers.llm import LLM
+from pagedq.workers.processes import worker_hostname
+from pagedq.workers.service import WORKER_KEY_TTL_S, EngineService, Handle, model_info
+
+log = logging.getLogger(__name__)
+
+
+def parse_generate(payload, task_id: str) -> GenerateJob:
+    try:
+        return parse_message(GenerateJob, payload)
+    except MalformedMessageError as e:
+        log.error("generate task %s: dropped a malformed message: %s", task_id, e)
+        raise Reject(f"malformed message: {e}", requeue=False) from None
+
+
+def register_generate(app: Celery, service: EngineService, store: JobStore, names: Names):
+    @app.task(name=GENERATE_TASK, bind=True)
+    def generate(self, payload):
+        job = parse_generate(payload, self.request.id)
+        verdict = store.admit(job.job_id, worker=self.request.hostname)
+        if verdict != "ok":
+            store.settle(job.job_id, verdict)
+            return {"job_id": job.job_id, "skipped": verdict}
+        try:
+            handle = service.submit(job, self.request.id)
+        except RequestError as e:
+            store.finish(job.job_id, JobState.FAILED, error=e.to_dict())
+            return {"job_id": job.job_id, "failed": str(e)}
+        # Cancel or stream requests published before the job was registered here left their flag on the record.
+        state, stream = store.r.hmget(names.job(job.job_id), "state", "stream")
+        if state == JobState.CANCELLING:
+            service.cancel(job.job_id)
+        if stream == "1":
+            service.enable_stream(job.job_id)
+        handle.done.wait()
+        return conclude(self.app, handle, store, names)
+
+    return generate
+
+
+def conclude(app: Celery, handle: Handle, store: JobStore, names: Names) -> dict:
+    job, out = handle.job, handle.output
+    if handle.duplicate:
+        return {"job_id": job.job_id, "skipped": "already running on this worker"}
+    if handle.requeue:
+        store.requeue(job.job_id)
+        raise Reject("worker shutting down", requeue=True)
+    if handle.error or out is None:
+        error = RequestError(handle.error or "no output", code="server_error")
+        store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
+        return {"job_id": job.job_id, "failed": handle.error}
+    summary = {"job_id": job.job_id, "completion_tokens": len(out.output_token_ids),
+               "finish_reason": out.finish_reason}
+    if out.finish_reason == "abort":
+        store.update(job.job_id, completion_tokens=len(out.output_token_ids), aborted_at_step=handle.finished_step)
+        store.finish(job.job_id, JobState.CANCELLED)
+        return summary
+    store.update(job.job_id, completion_tokens=len(out.output_token_ids))
+    completion = Completion(
+        request_id=job.job_id, kind=job.kind, model=job.model, text=out.text, output_token_ids=out.output_token_ids,
+        num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+        num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs)
+    app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority))
+    return summary
+
+
+class ProgressReporter(threading.Thread):
+    def __init__(self, app: Celery, service: EngineService, r: redis.Redis, names: Names, hostname: str,
+                 interval_s: float) -> None:
+        super().__init__(name="progress", daemon=True)
+        self.app, self.service, self.r, self.names = app, service, r, names
+        self.hostname, self.interval_s = hostname, interval_s
+        self.reported: dict[str, int] = {}
+
+    def run(self) -> None:
+        with self.app.connection_for_write() as conn:
+            # Buffered: one broker message per report carries every task's event (Flower unpacks the list).
+            dispatcher = self.app.events.Dispatcher(conn, hostname=self.hostname, enabled=True,
+                                                    buffer_group=["task"], buffer_limit=1 << 30)
+            while True:
+                time.sleep(self.interval_s)
+                try:
+                    self.report(dispatcher)
+                except Exception as e:  # noqa: BLE001 - progress is best effort
+                    log.warning("progress report failed: %s", e)
+
+    def report(self, dispatcher) -> None:
+        handles = self.service.snapshot()
+        pipe = self.r.pipeline(transaction=False)
+        for h in handles:
+            if h.num_tokens and self.reported.get(h.task_id) != h.num_tokens:
+                self.reported[h.task_id] = h.num_tokens
+                # Flower shows the custom state (PROGRESS) and, in the task's Result field, the count.
+                dispatcher.send("task-progress", uuid=h.task_id, tokens=h.num_tokens,
+                                result=f"{h.num_tokens} tokens so far")
+                pipe.hset(self.names.job(h.job.job_id), "completion_tokens", h.num_tokens)
+        dispatcher.flush()
+        pipe.execute()
+        live = {h.task_id for h in handles}
+        self.reported = {k: v for k, v in self.reported.items() if k in live}
+
+
+class ControlListener:
+    """Requests on ``names.control_channel``: {"op": "cancel" | "stream", "job_id": ...}, or
+    {"op": "reload", "model": ...} (reload the weights; the prefix cache is dropped)."""
+
+    def __init__(self, r: redis.Redis, names: Names, service: EngineService) -> None:
+        self.service = service
+        self.pubsub = r.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(**{names.control_channel: self.on_message})
+        self.thread = None
+
+    def start(self) -> None:
+        self.thread = self.pubsub.run_in_thread(sleep_time=1.0, daemon=True,
+                                                exception_handler=self._on_error)
+
+    def on_message(self, message: dict) -> None:
+        try:
+            request = json.loads(message["data"])
+            op = request["op"]
+            if op == "reload":
+                if request["model"] == self.service.engine.model_name:
+                    try:
+                        self.service.reload()
+                    except Exception:  # noqa: BLE001 - a bad folder must not stop the listener
+                        log.exception("reloading %s failed; still serving the old weights", request["model"])
+                return
+            job_id = str(request["job_id"])
+        except (ValueError, KeyError, TypeError) as e:
+            log.error("ignoring a malformed control message %r: %s", message.get("data"), e)
+            return
+        if op == "cancel":
+            self.service.cancel(job_id)
+        elif op == "stream":
+            self.service.enable_stream(job_id)
+        else:
+            log.error("ignoring a control message with unknown op %r", op)
+
+    @staticmethod
+    def _on_error(exc, pubsub, thread) -> None:
+        log.warning("control listener: %s; retrying", exc)  # redis-py resubscribes on reconnect
+        time.sleep(1.0)
+
+
+EXIT_REPLICA_LOST = 3  # a process of the engine's replica died: restart the worker (its jobs were requeued)
+
+
+def run_worker(settings: Settings, model: str | None = None, hostname: str | None = None,
+               loglevel: str = "INFO") -> None:
+    url = broker_url(settings)
+    r = redis_client(url)
+    names = Names.from_settings(settings)
+    hostname = hostname or worker_hostname("gpu")
+    service = EngineService(lambda: LLM(settings, model), r, names, hostname, settings.result_ttl_s,
+                            on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # warm shutdown
+    engine = service.start()  # built on the thread that will step it (see service.py)
+    register_model(r, names, model_info(engine, names))
+    app = make_celery(settings, url)
+    register_generate(app, service, JobStore(r, names, settings.result_ttl_s), names)
+    ControlListener(r, names, service).start()
+    ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s).start()
+    signals.worker_shutting_down.connect(lambda **_: service.shutdown(), weak=False)
+    queue = names.generate_queue(engine.model_name)
+    log.info("serving %s on queue %s as %s", engine.model_name, queue, hostname)
+    code: int | str | None = 0
+    try:
+        run_celery_worker(app, r, names.worker(hostname), {"role": "gpu", "model": engine.model_name},
+                          queues=[queue], concurrency=settings.worker_max_inflight, hostname=hostname,
+                          loglevel=loglevel, ttl_s=WORKER_KEY_TTL_S)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        engine.shutdown()  # a pipelined engine stops its stage processes
+    sys.exit(EXIT_REPLICA_LOST if service.replica_lost else code)

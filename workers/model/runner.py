@@ -1,0 +1,201 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples.
+
+``LocalExecutor`` is the engine's executor when the whole model lives in this process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from pagedq.kernels import AttentionMetadata
+from pagedq.workers.engine.executor import SamplerOutput, StepResult
+from pagedq.workers.engine.scheduler import SchedulerOutput
+from pagedq.workers.engine.sequence import Sequence
+from pagedq.workers.model.llama import CausalLM, ModelConfig
+from pagedq.workers.model.sampler import sample
+
+log = logging.getLogger(__name__)
+
+
+def keep_freed_memory() -> None:
+    """Stop glibc from returning freed buffers to the OS after every step.
+
+    Each layer allocates multi-megabyte temporaries; served from fresh pages they
+    cost a page fault per 4 KiB, which on a 2-core machine is a visible slice
+    of a decode step.  Raising the mmap and trim thresholds keeps them reusable.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: the glibc maximum
+            libc.mallopt(-1, 1 << 34)  # M_TRIM_THRESHOLD
+        except OSError:
+            pass
+
+
+def kv_cache_block_bytes(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
+                         num_kv_heads: int | None = None) -> int:
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * num_layers * block_size * heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sample_seqs: list[Sequence]  # the driver's sequences for those rows (empty on other stages)
+    packed: torch.Tensor  # int64: all of the above but the sequences, what other stages receive
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+_HEADER = 7  # num_tokens, num_decodes, decode table width, num_prefills, prefill table width, num_sampled, spare
+
+
+def pack_step(sched: SchedulerOutput, block_size: int) -> tuple[list[int], list[Sequence]]:
+    """Flatten a scheduled step into one list of ints (layout: ``unpack_step``) and the sampled sequences.
+
+    Decodes come first, then prefill chunks; each group shortest context first
+    (the CPU attention path batches neighbours of similar length together).
+    """
+    by_context = sorted(sched.scheduled, key=lambda x: x[0].num_computed_tokens + x[1])
+    decodes = [(s, n) for s, n in by_context if n == 1]
+    prefills = [(s, n) for s, n in by_context if n > 1]
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[Sequence] = []
+    for seq, n in decodes + prefills:
+        start = seq.num_computed_tokens
+        input_ids.extend(seq.token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        table = seq.block_table
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        if start + n == seq.num_tokens:  # every known token computed: next token is due
+            sample_rows.append(len(input_ids) - 1)
+            sample_seqs.append(seq)
+
+    def tables(group: list[tuple[Sequence, int]]) -> tuple[int, list[int]]:
+        width = max((len(s.block_table) for s, _ in group), default=0)
+        flat: list[int] = []
+        for s, _ in group:
+            flat += s.block_table
+            flat += [0] * (width - len(s.block_table))
+        return width, flat
+
+    dec_width, dec_tables = tables(decodes)
+    pre_width, pre_tables = tables(prefills)
+    cu_q = [0]
+    for _, n in prefills:
+        cu_q.append(cu_q[-1] + n)
+    header = [len(input_ids), len(decodes), dec_width, len(prefills), pre_width, len(sample_rows), 0]
+    packed = (header + input_ids + positions + slots + dec_tables
+              + [s.num_computed_tokens + n for s, n in decodes] + cu_q
+              + [s.num_computed_tokens + n for s, n in prefills] + pre_tables + sample_rows)
+    return packed, sample_seqs
+
+
+def unpack_step(packed: torch.Tensor, sample_seqs: list[Sequence] | None = None,
+                header: list[int] | None = None) -> StepInputs:
+    """Views into ``packed`` (on the device the model runs on) as the model's inputs."""
+    n, nd, dw, npf, pw, ns, _ = header or packed[:_HEADER].tolist()
+    sizes = [n, n, n, nd * dw, nd, npf + 1, npf, npf * pw, ns]
+    ids, positions, slots, dec_tables, dec_lens, cu_q, pre_lens, pre_tables, rows = packed[_HEADER:].split(sizes)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=nd, decode_block_tables=dec_tables.view(nd, dw),
+        decode_context_lens=dec_lens, prefill_cu_seqlens_q=cu_q, prefill_context_lens=pre_lens,
+        prefill_block_tables=pre_tables.view(npf, pw))
+    return StepInputs(ids, positions, meta, rows, sample_seqs or [], packed)
+
+
+class ModelRunner:
+    """One process's part of the model and its KV cache: all layers, or one stage's (or shard's)."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        keep_freed_memory()
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype
+        shape = (num_blocks, block_size, model.num_kv_heads, model.cfg.head_dim)
+        # Zeroed, not empty: attention masks the unused slots of a gathered block, but a NaN left
+        # there by recycled memory still poisons the output (0 * NaN).
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in model.layers]
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        packed, sample_seqs = pack_step(sched, self.block_size)
+        return unpack_step(torch.tensor(packed, dtype=torch.long).to(self.device), sample_seqs, packed[:_HEADER])
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This process's layers over the step; the first stage embeds, later ones continue ``hidden``."""
+        if hidden is None:
+            hidden = self.model.embed_tokens(inputs.input_ids)
+        return self.model.forward(hidden, inputs.positions, inputs.meta, self.kv_caches)
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, inputs: StepInputs, seqs: list[Sequence]) -> SamplerOutput:
+        if not seqs:
+            return SamplerOutput([], [])
+        return sample(self.model.compute_logits(hidden[inputs.sample_rows]), seqs)
+
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
+        """One forward pass over the scheduled tokens; samples for sequences whose prompt is done."""
+        inputs = self.prepare(sched)
+        hidden = self.forward(inputs)
+        return inputs.sample_seqs, self.sample(hidden, inputs, inputs.sample_seqs)
+
+
+class LocalExecutor:
+    """The whole model in this process: a step runs when it is submitted (an ``Executor``)."""
+
+    max_inflight = 1
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._done: deque[StepResult] = deque()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._done)
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        seqs, sampled = self.runner.execute(sched)
+        self._done.append(StepResult(sched, seqs, sampled))
+
+    def collect(self) -> StepResult:
+        return self._done.popleft()
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)

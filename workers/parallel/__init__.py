@@ -1,0 +1,1 @@
+"""One model replica over several processes: pipeline stages x tensor-parallel shards."""
