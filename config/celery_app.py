@@ -7,13 +7,13 @@
 - Priority: kombu's Redis transport keeps one list per priority step and pops
   the lowest number first (0 = most urgent), the reverse of pagedq's 0-9 scale
   where 9 is most urgent; producers send ``names.broker_priority(p) = 9 - p``.
-- ``visibility_timeout``: a message a worker took but never acknowledged (the
-  worker was killed; a warm shutdown requeues at once) becomes visible again
-  after this many seconds.  It must exceed the longest time a live worker
-  holds a message (queued in its engine plus generating), or a slow job is
-  delivered twice (harmless, as results publish once, but wasted work).
-  Default 3600 s (``PAGEDQ_VISIBILITY_TIMEOUT_S``); consumers sweep for such
-  messages every min(10, visibility_timeout) s.
+- Leases: a message a worker took and has not acknowledged is the worker's
+  lease on its job.  The hardened transport renews the leases of every
+  message a live worker holds every ``lease / 3`` seconds, and every consumer
+  puts back on its queue any message whose lease ran out (its worker died):
+  within ``lease`` + ``lease / 3`` seconds of a kill, however long the job runs
+  on a live worker.  ``lease`` = min(``PAGEDQ_WORKER_TTL_S``,
+  ``PAGEDQ_VISIBILITY_TIMEOUT_S``), the same TTL as a worker's heartbeat record.
 - Events on, so Flower sees every task.
 - The Redis transport is kombu's, hardened so garbage pushed onto a queue is
   logged and dropped instead of stopping the worker (``pagedq.store.transport``,
@@ -56,8 +56,13 @@ class TaskRouter:
         return None
 
 
+def message_lease_s(settings: Settings) -> float:
+    return min(settings.worker_ttl_s, settings.visibility_timeout_s)
+
+
 def celery_config(settings: Settings, url: str) -> dict:
     names = Names.from_settings(settings)
+    lease = message_lease_s(settings)
     return dict(
         broker_url=url,
         **({"broker_transport": TRANSPORT} if url.startswith("redis://") else {}),
@@ -66,9 +71,10 @@ def celery_config(settings: Settings, url: str) -> dict:
             "priority_steps": PRIORITY_STEPS,
             "sep": KOMBU_PRIORITY_SEP,
             "queue_order_strategy": "priority",
-            "visibility_timeout": settings.visibility_timeout_s,
-            # Sweep for expired unacked messages every few seconds (kombu's default is ~100 s).
-            "unacked_restore_interval": min(10, settings.visibility_timeout_s),
+            "visibility_timeout": lease,
+            "lease_renew_interval": max(lease / 3, 0.5),
+            # Sweep for expired leases every few seconds (kombu's default is ~100 s).
+            "unacked_restore_interval": max(lease / 3, 0.5),
             "unacked_restore_throttle": 1,
             "global_keyprefix": settings.key_prefix,
         },

@@ -64,11 +64,30 @@ def check_context(prompt_ids: list[int], max_tokens: int, max_model_len: int, vo
             code="context_length_exceeded")
 
 
+class JobNotCompleted(Exception):
+    """Raised by a task whose job ended failed, cancelled or expired, so Celery (and Flower) records a FAILURE
+    with pagedq's reason.  Tasks declare it in ``throws``: logged as one line, not as a crash."""
+
+
+def _preview(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "…")
+
+
 @dataclass
 class PreprocessJob:
     job_id: str
     url: str  # /v1/chat/completions or /v1/completions
     body: dict
+
+    def describe(self) -> str:
+        """What Flower shows as the task's arguments: the job, not a wall of prompt text."""
+        b = self.body
+        messages = b.get("messages")
+        text = messages[-1].get("content", "") if isinstance(messages, list) and messages and \
+            isinstance(messages[-1], dict) else b.get("prompt", "")
+        size = f"{len(text)} chars" if isinstance(text, str) else f"{len(text)} token ids"
+        return (f"job={self.job_id} model={b.get('model')} priority={b.get('priority')} "
+                f"prompt={_preview(text) if isinstance(text, str) else '[token ids]'} ({size})")
 
 
 @dataclass
@@ -80,6 +99,10 @@ class GenerateJob:
     params: SamplingParams
     priority: int
     stream: bool = False
+
+    def describe(self) -> str:
+        return (f"job={self.job_id} model={self.model} priority={self.priority} "
+                f"prompt_tokens={len(self.prompt_token_ids)} max_tokens={self.params.max_tokens}")
 
 
 @dataclass
@@ -98,6 +121,10 @@ class Completion:
     logprobs: list[dict] = field(default_factory=list)  # per token: {"token": [id, lp], "top": [[id, lp], ...]}
     want_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def describe(self) -> str:
+        return (f"job={self.request_id} model={self.model} completion_tokens={len(self.output_token_ids)} "
+                f"finish_reason={self.finish_reason} text={_preview(self.text)}")
 
 
 _adapters: dict[type, TypeAdapter] = {}

@@ -144,6 +144,10 @@ class Names:
         """Counter: bytes of all entries."""
         return f"{self.key_prefix}rcache:bytes"
 
+    def backlog(self, model: str) -> str:
+        """Counter: jobs of the model accepted and not yet ended (bounded by ``max_queued_jobs``)."""
+        return f"{self.key_prefix}backlog:{model_slug(model)}"
+
     # --- workers and models ---------------------------------------------------
     def model(self, model: str) -> str:
         """Hash: a served model's name, fingerprint, max_model_len, vocab_size."""

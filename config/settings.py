@@ -89,13 +89,32 @@ class Settings(BaseSettings):
 
     # --- queue ---------------------------------------------------------------
     redis_dir: Path | None = Field(None, description="embedded redis-server's data (AOF); default state_dir/redis")
+    redis_appendfsync: Literal["everysec", "always", "no"] = Field(
+        "everysec", description="embedded Redis: fsync of the append-only file (everysec: lose at most ~1 s "
+                                "of writes to a crash; always: none, slower)")
+    redis_maxmemory: int = Field(4 << 30, ge=0, description="embedded Redis memory bound (accepts '4GiB'; 0 = "
+                                 "none); writes beyond it are refused, never evicted")
     visibility_timeout_s: int = Field(
-        3600, ge=1, description="a job a worker took but never acked (worker killed) is redelivered after this")
+        3600, ge=1, description="upper bound on a message's lease (see worker_ttl_s): redelivered after this "
+                                "long without its worker renewing it")
+    drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM a GPU worker takes no new jobs and lets "
+                                   "running ones finish for this long, then puts the rest back on the queue")
+    max_queued_jobs: int = Field(100_000, ge=1, description="jobs of one model accepted and not yet ended; "
+                                 "beyond it submit raises RequestError(code='queue_full') and writes nothing")
+    max_attempts: int = Field(3, ge=1, description="starts of a job whose worker dies each time before it "
+                                                  "fails with code 'poison'")
+    worker_ttl_s: int = Field(
+        15, ge=2, description="a worker's heartbeat record and its messages' leases last this long unless "
+                              "renewed: a dead worker's jobs go back on their queues within about 1.3x this")
     cpu_worker_concurrency: int = Field(1, ge=1, description="threads of a CPU (preprocess/postprocess) worker")
     progress_interval_s: float = Field(2.0, gt=0, description="how often a GPU worker reports tokens so far")
     model_wait_s: float = Field(600, ge=0, description="how long preprocess waits for a worker to serve a model")
+    broker_timeout_s: float = Field(10, gt=0, description="a producer call to Redis answers or raises "
+                                                         "BrokerUnavailable within about this long")
+    wait_timeout_s: float = Field(3600, gt=0, description="default of Client.result()/wait(): seconds before "
+                                                         "TimeoutError (the job goes on; wait again)")
 
-    @field_validator("kv_cache_memory", "result_cache_max_bytes", mode="before")
+    @field_validator("kv_cache_memory", "result_cache_max_bytes", "redis_maxmemory", mode="before")
     @classmethod
     def _sizes(cls, value: int | str) -> int:
         return parse_bytes(value)

@@ -2,5 +2,7 @@
 
 from pagedq.pipeline.client import BatchStatus, Client, JobFailedError, JobNotFoundError, JobStatus
 from pagedq.pipeline.protocol import RequestError
+from pagedq.store.connection import BrokerUnavailable
 
-__all__ = ["BatchStatus", "Client", "JobFailedError", "JobNotFoundError", "JobStatus", "RequestError"]
+__all__ = ["BatchStatus", "BrokerUnavailable", "Client", "JobFailedError", "JobNotFoundError", "JobStatus",
+           "RequestError"]

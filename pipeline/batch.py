@@ -81,6 +81,10 @@ def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
                            priorities=[p.request.priority for _, p in jobs], on_step=on_step) if jobs else []
     bar.close()
     for (i, p), out in zip(jobs, outs, strict=True):
+        if out.finish_reason == "error":
+            error = RequestError(f"the engine failed on this request: {out.error}", code="engine_error")
+            prepared[i] = batch_output_line(p.custom_id, error=error)
+            continue
         kind = "chat" if hasattr(p.request, "messages") else "text"
         completion = Completion(
             request_id=p.custom_id, kind=kind, model=engine.model_name, text=out.text,

@@ -15,11 +15,17 @@ queue, so producers never import worker code.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
+
+import redis
+from kombu.exceptions import OperationalError
 
 from pagedq.config import Settings, get_settings
 from pagedq.config.celery_app import make_celery
@@ -35,15 +41,17 @@ from pagedq.pipeline.protocol import (
     RequestError,
     parse_batch_line,
     parse_request,
+    read_batch_file,
     to_sampling_params,
 )
+from pagedq.store.connection import BrokerUnavailable, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
-from pagedq.store.connection import redis_client
 from pagedq.store.jobs import JobStore, now
 from pagedq.store.registry import lookup_model
 from pagedq.store.result_cache import ResultCache, is_deterministic
 
 _TERMINAL = {s.value for s in TERMINAL_STATES}
+T = TypeVar("T")
 
 
 class JobNotFoundError(KeyError):
@@ -132,13 +140,31 @@ def _request_body(messages, prompt, fields_: dict) -> tuple[str, dict]:
     return COMPLETIONS_URL, {"prompt": prompt, **fields_}
 
 
+def _broker_call(method: Callable[..., T]) -> Callable[..., T]:
+    """Broker trouble surfaces as BrokerUnavailable (bounded by ``broker_timeout_s``), Redis refusing a write for
+    lack of memory as RequestError ``queue_full``; nothing is left half-written either way."""
+
+    @functools.wraps(method)
+    def call(self: Client, *args, **kwargs) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, OperationalError) as e:
+            raise BrokerUnavailable(f"the broker did not answer: {type(e).__name__}: {e}") from None
+        except redis.ResponseError as e:
+            if str(e).startswith("OOM"):
+                raise RequestError("the broker is out of memory; retry later", code="queue_full") from None
+            raise
+
+    return call
+
+
 class Client:
     def __init__(self, settings: Settings | None = None, broker_url: str | None = None) -> None:
         self.settings = settings or get_settings()
         url = broker_url or find_broker_url(self.settings)
-        self.r = redis_client(url)
+        self.r = redis_client(url, self.settings.broker_timeout_s)
         self.names = Names.from_settings(self.settings)
-        self.store = JobStore(self.r, self.names, self.settings.result_ttl_s)
+        self.store = JobStore(self.r, self.names, self.settings.result_ttl_s, self.settings.max_attempts)
         self.app = make_celery(self.settings, url)
         self.cache = ResultCache(self.r, self.names, self.settings.result_cache_ttl_s,
                                  self.settings.result_cache_max_bytes)
@@ -154,6 +180,7 @@ class Client:
         self.close()
 
     # --- submitting -----------------------------------------------------------
+    @_broker_call
     def submit(self, messages: list[dict] | None = None, *, prompt: str | list[int] | None = None,
                priority: int | None = None, timeout_s: float | None = None, **fields_) -> str:
         """Enqueue a chat (``messages``) or text (``prompt``) request; returns its job id at once.
@@ -171,14 +198,14 @@ class Client:
         req = self.validate(url, body)
         job_id = self._new_job_id()
         cache_key, cached = self._cache_lookup(url, req)
-        self.r.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s, **cache_key))
+        self.store.create([(job_id, self._job_record(req, timeout_s, **cache_key))], self.settings.max_queued_jobs)
         if cached is not None:
             self._answer_from_cache(job_id, cached)
             return job_id
         try:
             self._send(job_id, url, req)
-        except Exception:
-            self.r.delete(self.names.job(job_id))
+        except BaseException:
+            self.store.discard(job_id)  # never sent: no trace of it stays
             raise
         return job_id
 
@@ -207,6 +234,7 @@ class Client:
                           completion_tokens=usage.get("completion_tokens", 0))
         self.store.finish(job_id, JobState.COMPLETED, result=body)
 
+    @_broker_call
     def validate(self, url: str, body: dict) -> AnyRequest:
         """The request, checked against the schema and the served model; raises RequestError."""
         req = parse_request(url, body)
@@ -227,10 +255,12 @@ class Client:
         return req
 
     # --- models and the result cache ---------------------------------------------
+    @_broker_call
     def invalidate_cache(self, model: str | None = None) -> int:
         """Make every cached result of ``model`` unreachable at once; returns the cache's new version."""
         return self.cache.invalidate(model or self.settings.model)
 
+    @_broker_call
     def reload(self, model: str | None = None, timeout: float = 120) -> str:
         """Ask the GPU workers serving ``model`` to reload its weights; returns the new fingerprint.
 
@@ -249,6 +279,7 @@ class Client:
             time.sleep(0.1)
         raise TimeoutError(f"no worker reloaded {model!r} within {timeout} s")
 
+    @_broker_call
     def served_models(self) -> list[str]:
         """Names of the models GPU workers have registered."""
         return sorted(filter(None, (self.r.hget(k, "name") for k in self.r.scan_iter(match=self.names.model_pattern))))
@@ -266,30 +297,38 @@ class Client:
 
     def _send(self, job_id: str, url: str, req: AnyRequest) -> None:
         body = req.model_dump(mode="json", exclude_none=True)
-        self.app.send_task(PREPROCESS_TASK, args=[to_json(PreprocessJob(job_id, url, body))],
-                           priority=broker_priority(req.priority))
+        msg = PreprocessJob(job_id, url, body)
+        self.app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=broker_priority(req.priority),
+                           argsrepr=msg.describe(), kwargsrepr="{}")
 
     # --- following jobs -------------------------------------------------------
+    @_broker_call
     def status(self, job_id: str) -> JobStatus:
         rec = self.store.get(job_id)
         if not rec:
             raise JobNotFoundError(job_id)
         return JobStatus.from_record(job_id, rec)
 
+    @_broker_call
     def wait(self, job_id: str, timeout: float | None = None) -> JobStatus:
-        """Block until the job is in a terminal state (pub/sub, with a polling fallback)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Block until the job is in a terminal state (pub/sub, with a polling fallback).
+
+        Raises TimeoutError after ``timeout`` seconds (default ``settings.wait_timeout_s``); the job goes on.
+        """
+        timeout = self.settings.wait_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         with self.r.pubsub(ignore_subscribe_messages=True) as ps:
             ps.subscribe(self.names.done_channel(job_id))
             while True:
                 status = self.status(job_id)
                 if status.done:
                     return status
-                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                left = min(1.0, deadline - time.monotonic())
                 if left <= 0:
                     raise TimeoutError(f"job {job_id} still {status.state} after {timeout} s")
                 ps.get_message(timeout=left)
 
+    @_broker_call
     def result(self, job_id: str, timeout: float | None = None) -> dict:
         """The completion object; raises JobFailedError if the job failed, was cancelled or expired."""
         status = self.wait(job_id, timeout)
@@ -300,6 +339,7 @@ class Client:
             raise JobNotFoundError(f"{job_id}: result expired")
         return result
 
+    @_broker_call
     def cancel(self, job_id: str) -> JobStatus:
         """Cancel a queued job at once, or a running one between two engine steps."""
         previous = self.store.request_cancel(job_id)
@@ -339,6 +379,7 @@ class Client:
             yield text[len(sent):]  # whatever was generated before streaming began
 
     # --- batches --------------------------------------------------------------
+    @_broker_call
     def submit_batch(self, lines: Iterable[str | dict], priority: int | None = None,
                      timeout_s: float | None = None) -> str:
         """Enqueue an OpenAI Batch (JSONL lines or dicts); returns the batch id.
@@ -346,33 +387,37 @@ class Client:
         A bad line does not stop the batch: it becomes a failed job whose output line carries
         the error, as in ``run-batch --offline``.
         """
-        items = [self._parse_line(line, priority) for line in lines
-                 if not isinstance(line, str) or line.strip()]
+        items = [self._parse_line(line, priority) for line in _batch_lines(lines)]
         batch_id = f"batch_{uuid.uuid4().hex}"
         bkey, jobs_key = self.names.batch(batch_id), self.names.batch_jobs(batch_id)
         job_ids = [self._new_job_id() for _ in items]
         lookups = [self._cache_lookup(url, req) if err is None else ({}, None) for _, req, url, err in items]
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(bkey, mapping={"state": "in_progress", "total": len(items), "created_at": now(),
-                                 "jobs_key": jobs_key, "done_channel": self.names.batch_done_channel(batch_id)})
-        if job_ids:
-            pipe.rpush(jobs_key, *job_ids)
+        records = []
         for job_id, (custom_id, req, _url, err), (cache_key, _) in zip(job_ids, items, lookups, strict=True):
             extra = {"batch_id": batch_id, "batch_key": bkey, "custom_id": custom_id or ""}
             if err is not None:
-                pipe.hset(self.names.job(job_id), mapping={"state": JobState.QUEUED.value, "created_at": now(),
-                                                           "attempts": 0, **extra})
+                records.append((job_id, {"state": JobState.QUEUED.value, "created_at": now(), "attempts": 0,
+                                         **extra}))
             else:
-                pipe.hset(self.names.job(job_id), mapping=self._job_record(req, timeout_s, **extra, **cache_key))
-        pipe.execute()
-        for job_id, (_, req, url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
-            if err is not None:
-                self.store.finish(job_id, JobState.FAILED, error={"message": str(err), "param": err.param,
-                                                                  "code": err.code})
-            elif cached is not None:
-                self._answer_from_cache(job_id, cached)
-            else:
-                self._send(job_id, url, req)
+                records.append((job_id, self._job_record(req, timeout_s, **extra, **cache_key)))
+        batch = {"state": "in_progress", "total": len(items), "created_at": now(), "jobs_key": jobs_key,
+                 "done_channel": self.names.batch_done_channel(batch_id)}
+        self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids))
+        sent = 0
+        try:
+            for job_id, (_, req, url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
+                if err is not None:
+                    self.store.finish(job_id, JobState.FAILED, error=err.to_dict())
+                elif cached is not None:
+                    self._answer_from_cache(job_id, cached)
+                else:
+                    self._send(job_id, url, req)
+                sent += 1
+        except BaseException as e:  # every job written ends: those not sent fail with the reason
+            error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")
+            for job_id in job_ids[sent:]:
+                self.store.finish(job_id, JobState.FAILED, error=error.to_dict())
+            raise
         if not items:
             self.r.hset(bkey, mapping={"state": "completed", "completed_at": now()})
         return batch_id
@@ -389,6 +434,7 @@ class Client:
         except RequestError as e:
             return e.custom_id or custom_id, None, None, e
 
+    @_broker_call
     def batch_status(self, batch_id: str) -> BatchStatus:
         rec = self.r.hgetall(self.names.batch(batch_id))
         if not rec:
@@ -401,6 +447,7 @@ class Client:
                            request_counts={"total": total, "completed": counts["completed"],
                                            "failed": total - counts["completed"] - _pending(rec, total)})
 
+    @_broker_call
     def wait_batch(self, batch_id: str, timeout: float | None = None) -> BatchStatus:
         """Block until every job of the batch is final (pub/sub, with a polling fallback)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -413,6 +460,7 @@ class Client:
                 ps.get_message(timeout=left)
         return status
 
+    @_broker_call
     def batch_results(self, batch_id: str, timeout: float | None = None) -> list[dict]:
         """OpenAI Batch output lines, in input order (waits for the batch to finish)."""
         self.wait_batch(batch_id, timeout)
@@ -424,6 +472,20 @@ class Client:
         replies = pipe.execute()
         return [_output_line(JobStatus.from_record(job_id, rec), raw)
                 for job_id, rec, raw in zip(job_ids, replies[::2], replies[1::2], strict=True)]
+
+
+def _batch_lines(lines) -> Iterator[str | dict]:
+    """A batch's non-blank lines, from a path, an open file, or an iterable of lines or dicts."""
+    if isinstance(lines, (str, os.PathLike)):
+        if isinstance(lines, str) and ("\n" in lines or not os.path.isfile(lines)):
+            raise TypeError("submit_batch takes a path to a JSONL file, an open file, or an iterable of lines "
+                            f"or dicts; {lines[:40]!r} is not an existing file")
+        lines = read_batch_file(lines)
+    for line in lines:
+        if isinstance(line, bytes):
+            line = line.decode("utf-8", "surrogateescape")
+        if not isinstance(line, str) or line.strip():
+            yield line
 
 
 def _pending(rec: dict, total: int) -> int:

@@ -26,6 +26,7 @@ from pagedq.config.celery_app import make_celery
 from pagedq.config.messages import (
     Completion,
     GenerateJob,
+    JobNotCompleted,
     MalformedMessageError,
     PreprocessJob,
     check_context,
@@ -113,13 +114,13 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
     max_model_waits = int(settings.model_wait_s / MODEL_WAIT_RETRY_S)
     cache = ResultCache(r, names, settings.result_cache_ttl_s, settings.result_cache_max_bytes)
 
-    @app.task(name=PREPROCESS_TASK, bind=True, max_retries=None)
+    @app.task(name=PREPROCESS_TASK, bind=True, max_retries=None, throws=(JobNotCompleted,))
     def preprocess(self, payload):
         msg = parse_or_reject(PreprocessJob, payload, "preprocess", self.request.id)
         verdict = store.admit(msg.job_id)
         if verdict != "ok":
             store.settle(msg.job_id, verdict)
-            return {"job_id": msg.job_id, "skipped": verdict}
+            raise JobNotCompleted(f"job {msg.job_id} {store.state(msg.job_id)} before preprocessing")
         try:
             job = prepare(msg, r, names, tokenizers)
         except ModelNotServedError as e:
@@ -127,25 +128,32 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
                 raise self.retry(countdown=MODEL_WAIT_RETRY_S) from None
             error = RequestError(f"model: no worker serves {e.args[0]!r}", "model", "model_not_found")
             store.finish(msg.job_id, JobState.FAILED, error=error.to_dict())
-            return {"job_id": msg.job_id, "failed": "model_not_found"}
+            raise JobNotCompleted(f"job {msg.job_id} failed: {error.code}: {error}") from None
         except RequestError as e:
             store.finish(msg.job_id, JobState.FAILED, error=e.to_dict())
-            return {"job_id": msg.job_id, "failed": str(e)}
+            raise JobNotCompleted(f"job {msg.job_id} failed: {e.code}: {e}") from None
         except Retry:
             raise
         except Exception as e:  # noqa: BLE001 - every accepted job ends: this one, with the reason
             log.exception("preprocess of job %s failed", msg.job_id)
             error = RequestError(f"preprocess failed: {type(e).__name__}: {e}", code="server_error")
             store.finish(msg.job_id, JobState.FAILED, error=error.to_dict())
-            return {"job_id": msg.job_id, "failed": "server_error"}
+            raise JobNotCompleted(f"job {msg.job_id} failed: {error.code}: {error}") from None
         store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids))
-        self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority))
+        self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority),
+                           argsrepr=job.describe(), kwargsrepr="{}")
         return {"job_id": msg.job_id, "prompt_tokens": len(job.prompt_token_ids)}
 
-    @app.task(name=POSTPROCESS_TASK, bind=True)
+    @app.task(name=POSTPROCESS_TASK, bind=True, throws=(JobNotCompleted,))
     def postprocess(self, payload):
         c = parse_or_reject(Completion, payload, "postprocess", self.request.id)
-        body = build_response(c, tokenizers.get(c.model))
+        try:
+            body = build_response(c, tokenizers.get(c.model))
+        except Exception as e:  # noqa: BLE001 - every accepted job ends: this one, with the reason
+            log.exception("postprocess of job %s failed", c.request_id)
+            error = RequestError(f"postprocess failed: {type(e).__name__}: {e}", code="server_error")
+            store.finish(c.request_id, JobState.FAILED, error=error.to_dict())
+            raise JobNotCompleted(f"job {c.request_id} failed: {error.code}: {error}") from None
         published = store.finish(c.request_id, JobState.COMPLETED, result=body)
         if not published:
             log.info("job %s: already final or unknown; result not published again", c.request_id)
@@ -167,8 +175,9 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
             tokenizers.get(settings.model)
         except Exception as e:  # noqa: BLE001 - other models may still be served
             log.warning("could not load the tokenizer of %s: %s", settings.model, e)
-    register_cpu_tasks(app, settings, r, JobStore(r, names, settings.result_ttl_s), names, tokenizers)
+    register_cpu_tasks(app, settings, r, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names, tokenizers)
     # Results first: at equal priority, finishing a job beats starting another.
     run_celery_worker(app, r, names.worker(hostname), {"role": "cpu"},
                       queues=[names.results_queue, names.preprocess_queue],
-                      concurrency=settings.cpu_worker_concurrency, hostname=hostname, loglevel=loglevel)
+                      concurrency=settings.cpu_worker_concurrency, hostname=hostname, loglevel=loglevel,
+                      ttl_s=settings.worker_ttl_s)

@@ -67,14 +67,20 @@ def build_response(c: Completion, tokenizer) -> dict:
     }
 
 
+# HTTP status of an error line, by error code (everything else is the request's fault: 400).
+STATUS_OF_CODE = {"queue_full": 429, "server_error": 500, "engine_error": 500, "poison": 500}
+
+
 def batch_output_line(custom_id: str | None, body: dict | None = None, error: Exception | None = None) -> dict:
-    """An OpenAI Batch output line: a 200 response with ``body``, or a 400 naming the error."""
+    """An OpenAI Batch output line: a 200 response with ``body``, or an error (status by its code)."""
     request_id = f"req_{uuid.uuid4().hex}"
     if error is None:
         return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
                 "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
-    detail = {"message": str(error), "type": "invalid_request_error",
-              "param": getattr(error, "param", None), "code": getattr(error, "code", "invalid_request_error")}
+    code = getattr(error, "code", "invalid_request_error")
+    status = STATUS_OF_CODE.get(code, 400)
+    detail = {"message": str(error), "type": "invalid_request_error" if status == 400 else code,
+              "param": getattr(error, "param", None), "code": code}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-            "response": {"status_code": 400, "request_id": request_id, "body": {"error": detail}},
+            "response": {"status_code": status, "request_id": request_id, "body": {"error": detail}},
             "error": {"code": detail["code"], "message": detail["message"]}}

@@ -21,8 +21,15 @@ class BrokerNotFoundError(RuntimeError):
     pass
 
 
-def redis_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+class BrokerUnavailable(ConnectionError):
+    """The broker did not answer in time (down, restarting, paused); nothing was written, or the call may be
+    retried."""
+
+
+def redis_client(url: str, timeout_s: float | None = 30) -> redis.Redis:
+    """A client whose every call answers or raises within ``timeout_s`` (blocking reads wait less than that)."""
+    return redis.Redis.from_url(url, decode_responses=True, health_check_interval=30, socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s, retry_on_timeout=False)
 
 
 def ping(url: str, timeout: float = 1.0) -> bool:

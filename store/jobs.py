@@ -34,11 +34,39 @@ if st ~= 'queued' and st ~= 'in_progress' then return st end
 local expires = redis.call('HGET', KEYS[1], 'expires_at')
 if st == 'queued' and expires and tonumber(expires) < tonumber(ARGV[1]) then return 'expired' end
 if ARGV[2] == '1' then
+  if tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') >= tonumber(ARGV[4]) then return 'poison' end
   if not redis.call('HGET', KEYS[1], 'started_at') then redis.call('HSET', KEYS[1], 'started_at', ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'in_progress', 'worker', ARGV[3])
   redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 end
 return 'ok'
+"""
+
+# KEYS: one backlog counter per model, the job hashes, then [batch hash, batch job list] if a batch.
+# ARGV: max queued jobs per model, number of counters, JSON {"need": [jobs per counter], "jobs": [[k, v, ...], ...],
+#       "batch": [k, v, ...] or null, "batch_jobs": [job ids]}.
+# All or nothing: nothing is written when a counter would pass the bound (returns that counter's key).
+_CREATE = """
+local max, ncounters = tonumber(ARGV[1]), tonumber(ARGV[2])
+local plan = cjson.decode(ARGV[3])
+for i = 1, ncounters do
+  if tonumber(redis.call('GET', KEYS[i]) or '0') + plan.need[i] > max then return KEYS[i] end
+end
+for i = 1, ncounters do redis.call('INCRBY', KEYS[i], plan.need[i]) end
+for j, fields in ipairs(plan.jobs) do redis.call('HSET', KEYS[ncounters + j], unpack(fields)) end
+if plan.batch ~= cjson.null then
+  local b = ncounters + #plan.jobs
+  redis.call('HSET', KEYS[b + 1], unpack(plan.batch))
+  if #plan.batch_jobs > 0 then redis.call('RPUSH', KEYS[b + 2], unpack(plan.batch_jobs)) end
+end
+return 'ok'
+"""
+
+# KEYS: job hash. Removes a job that was never sent (the send failed), with its place in the backlog.
+_DISCARD = """
+local backlog = redis.call('HGET', KEYS[1], 'backlog_key')
+if backlog then redis.call('DECR', backlog) end
+return redis.call('DEL', KEYS[1])
 """
 
 _FINISH = """
@@ -49,6 +77,8 @@ if ARGV[4] ~= '' then redis.call('SET', KEYS[2], ARGV[4], 'EX', ttl) end
 redis.call('HSET', KEYS[1], 'state', state, state .. '_at', now)
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ttl)
+local backlog = redis.call('HGET', KEYS[1], 'backlog_key')
+if backlog then redis.call('DECR', backlog) end
 local batch = redis.call('HGET', KEYS[1], 'batch_key')
 if batch then
   redis.call('HINCRBY', batch, state, 1)
@@ -80,6 +110,7 @@ return st or 'missing'
 _REQUEUE = """
 if redis.call('HGET', KEYS[1], 'state') == 'in_progress' then
   redis.call('HSET', KEYS[1], 'state', 'queued')
+  if ARGV[1] == '0' then redis.call('HINCRBY', KEYS[1], 'attempts', -1) end
   return 1
 end
 return 0
@@ -91,14 +122,52 @@ def now() -> float:
 
 
 class JobStore:
-    def __init__(self, client: redis.Redis, names: Names, result_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, names: Names, result_ttl_s: int, max_attempts: int = 3) -> None:
         self.r = client
         self.names = names
         self.ttl = result_ttl_s
+        self.max_attempts = max_attempts
+        self._create = client.register_script(_CREATE)
+        self._discard = client.register_script(_DISCARD)
         self._admit = client.register_script(_ADMIT)
         self._finish = client.register_script(_FINISH)
         self._cancel = client.register_script(_CANCEL)
         self._requeue = client.register_script(_REQUEUE)
+
+    def create(self, jobs: list[tuple[str, dict]], max_queued: int,
+               batch: tuple[str, dict, list[str]] | None = None) -> None:
+        """Write job records ``(job_id, fields)`` and, for a batch, its hash and job list: all, or none.
+
+        A record whose fields name a ``model`` takes a place in that model's backlog until the job ends;
+        when a model's backlog would pass ``max_queued``, nothing is written and RequestError
+        ``queue_full`` is raised.
+        """
+        counters: dict[str, int] = {}
+        for _, fields in jobs:
+            if fields.get("model"):
+                key = self.names.backlog(fields["model"])
+                fields["backlog_key"] = key
+                counters[key] = counters.get(key, 0) + 1
+        keys = [*counters, *(self.names.job(job_id) for job_id, _ in jobs)]
+        plan = {"need": list(counters.values()), "jobs": [_flat(fields) for _, fields in jobs],
+                "batch": None, "batch_jobs": []}
+        if batch is not None:
+            batch_key, fields, job_ids = batch
+            keys += [batch_key, fields["jobs_key"]]
+            plan["batch"], plan["batch_jobs"] = _flat(fields), job_ids
+        verdict = self._create(keys=keys, args=[max_queued, len(counters), json.dumps(plan)])
+        if verdict != "ok":
+            model = next(f["model"] for _, f in jobs if f.get("backlog_key") == verdict)
+            raise RequestError(f"model: the queue of {model!r} is full ({max_queued} jobs waiting or running); "
+                               "retry later", "model", code="queue_full")
+
+    def discard(self, job_id: str) -> None:
+        """Remove a job that was never sent, and its place in the backlog."""
+        self._discard(keys=[self.names.job(job_id)])
+
+    def backlog(self, model: str) -> int:
+        """Jobs of ``model`` accepted and not yet ended."""
+        return int(self.r.get(self.names.backlog(model)) or 0)
 
     def get(self, job_id: str) -> dict[str, str]:
         return self.r.hgetall(self.names.job(job_id))
@@ -110,8 +179,10 @@ class JobStore:
         self.r.hset(self.names.job(job_id), mapping={k: _field(v) for k, v in fields.items()})
 
     def admit(self, job_id: str, worker: str | None = None) -> str:
-        """'ok' if the job may proceed (with ``worker``: mark it in_progress, count an attempt), else its state."""
-        return self._admit(keys=[self.names.job(job_id)], args=[now(), "1" if worker else "0", worker or ""])
+        """'ok' if the job may proceed (with ``worker``: mark it in_progress, count an attempt), else its state,
+        or 'poison' when it was started ``max_attempts`` times already (each of its workers died)."""
+        return self._admit(keys=[self.names.job(job_id)],
+                           args=[now(), "1" if worker else "0", worker or "", self.max_attempts])
 
     def finish(self, job_id: str, state: JobState, result: dict | None = None, error: dict | None = None) -> bool:
         """Move a job to a terminal state, once. Returns False if it already was in one."""
@@ -133,14 +204,24 @@ class JobStore:
         elif verdict == JobState.EXPIRED:
             error = RequestError("the job was not started before it expired", code="expired")
             self.finish(job_id, JobState.EXPIRED, error=error.to_dict())
+        elif verdict == "poison":
+            error = RequestError(f"the job was started {self.max_attempts} times and its worker was lost each "
+                                 "time; not retried again", code="poison")
+            self.finish(job_id, JobState.FAILED, error=error.to_dict())
 
-    def requeue(self, job_id: str) -> None:
-        """A running job handed back to the queue (worker shutting down) is 'queued' again."""
-        self._requeue(keys=[self.names.job(job_id)])
+    def requeue(self, job_id: str, count_attempt: bool = False) -> None:
+        """A running job handed back to the queue is 'queued' again.  A worker's orderly shutdown does not
+        count as an attempt; losing a process of its replica does (the job may be what killed it)."""
+        self._requeue(keys=[self.names.job(job_id)], args=["1" if count_attempt else "0"])
 
     def result(self, job_id: str) -> dict | None:
         raw = self.r.get(self.names.result(job_id))
         return json.loads(raw) if raw else None
+
+
+def _flat(fields: dict) -> list:
+    """A hash's fields as the flat [name, value, ...] list HSET takes, values as strings (Lua would round floats)."""
+    return [x for k, v in fields.items() for x in (k, str(_field(v)))]
 
 
 def _field(value) -> str | int | float:

@@ -36,6 +36,7 @@ from pagedq.config.celery_app import make_celery
 from pagedq.config.messages import (
     Completion,
     GenerateJob,
+    JobNotCompleted,
     MalformedMessageError,
     RequestError,
     parse_message,
@@ -48,7 +49,7 @@ from pagedq.store.registry import register_model
 from pagedq.workers.celery_worker import run_celery_worker
 from pagedq.workers.llm import LLM
 from pagedq.workers.processes import worker_hostname
-from pagedq.workers.service import WORKER_KEY_TTL_S, EngineService, Handle, model_info
+from pagedq.workers.service import EngineService, Handle, model_info
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +63,18 @@ def parse_generate(payload, task_id: str) -> GenerateJob:
 
 
 def register_generate(app: Celery, service: EngineService, store: JobStore, names: Names):
-    @app.task(name=GENERATE_TASK, bind=True)
+    @app.task(name=GENERATE_TASK, bind=True, throws=(JobNotCompleted,))
     def generate(self, payload):
         job = parse_generate(payload, self.request.id)
         verdict = store.admit(job.job_id, worker=self.request.hostname)
         if verdict != "ok":
             store.settle(job.job_id, verdict)
-            return {"job_id": job.job_id, "skipped": verdict}
+            raise JobNotCompleted(f"job {job.job_id} {store.state(job.job_id)} before generating")
         try:
             handle = service.submit(job, self.request.id)
         except RequestError as e:
             store.finish(job.job_id, JobState.FAILED, error=e.to_dict())
-            return {"job_id": job.job_id, "failed": str(e)}
+            raise JobNotCompleted(f"job {job.job_id} failed: {e.code}: {e}") from None
         # Cancel or stream requests published before the job was registered here left their flag on the record.
         state, stream = store.r.hmget(names.job(job.job_id), "state", "stream")
         if state == JobState.CANCELLING:
@@ -91,24 +92,29 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names) -> dict
     if handle.duplicate:
         return {"job_id": job.job_id, "skipped": "already running on this worker"}
     if handle.requeue:
-        store.requeue(job.job_id)
+        store.requeue(job.job_id, count_attempt=handle.lost)
         raise Reject("worker shutting down", requeue=True)
     if handle.error or out is None:
         error = RequestError(handle.error or "no output", code="server_error")
         store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
-        return {"job_id": job.job_id, "failed": handle.error}
+        raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
     summary = {"job_id": job.job_id, "completion_tokens": len(out.output_token_ids),
                "finish_reason": out.finish_reason}
+    if out.finish_reason == "error":  # this request's step raised; its batch mates went on
+        error = RequestError(f"the engine failed on this request: {out.error}", code="engine_error")
+        store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
+        raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
     if out.finish_reason == "abort":
         store.update(job.job_id, completion_tokens=len(out.output_token_ids), aborted_at_step=handle.finished_step)
         store.finish(job.job_id, JobState.CANCELLED)
-        return summary
+        raise JobNotCompleted(f"job {job.job_id} cancelled after {len(out.output_token_ids)} tokens")
     store.update(job.job_id, completion_tokens=len(out.output_token_ids))
     completion = Completion(
         request_id=job.job_id, kind=job.kind, model=job.model, text=out.text, output_token_ids=out.output_token_ids,
         num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
         num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs)
-    app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority))
+    app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority),
+                  argsrepr=completion.describe(), kwargsrepr="{}")
     return summary
 
 
@@ -200,21 +206,22 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     names = Names.from_settings(settings)
     hostname = hostname or worker_hostname("gpu")
     service = EngineService(lambda: LLM(settings, model), r, names, hostname, settings.result_ttl_s,
-                            on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # warm shutdown
+                            on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),  # warm shutdown
+                            worker_ttl_s=settings.worker_ttl_s)
     engine = service.start()  # built on the thread that will step it (see service.py)
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
-    register_generate(app, service, JobStore(r, names, settings.result_ttl_s), names)
+    register_generate(app, service, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names)
     ControlListener(r, names, service).start()
     ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s).start()
-    signals.worker_shutting_down.connect(lambda **_: service.shutdown(), weak=False)
+    signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
     queue = names.generate_queue(engine.model_name)
     log.info("serving %s on queue %s as %s", engine.model_name, queue, hostname)
     code: int | str | None = 0
     try:
         run_celery_worker(app, r, names.worker(hostname), {"role": "gpu", "model": engine.model_name},
                           queues=[queue], concurrency=settings.worker_max_inflight, hostname=hostname,
-                          loglevel=loglevel, ttl_s=WORKER_KEY_TTL_S)
+                          loglevel=loglevel, ttl_s=settings.worker_ttl_s)
     except SystemExit as e:
         code = e.code
     finally:

@@ -38,8 +38,8 @@ from pagedq.workers.llm import LLM, Generation, feed, finish
 
 log = logging.getLogger(__name__)
 
-WORKER_KEY_TTL_S = 15  # a worker's Redis record outlives it by at most this
 IDLE_PUBLISH_S = 2.0
+MAX_FAILED_STEPS = 3  # engine steps failing in a row (not a request's own failure) before the worker gives up
 
 
 def model_info(engine: LLM, names: Names) -> ModelInfo:
@@ -60,6 +60,7 @@ class Handle:
     stream: bool = False
     cancel_requested: bool = False
     requeue: bool = False  # aborted because the worker is shutting down
+    lost: bool = False  # ... because a process of its replica died
     duplicate: bool = False  # the job is already running here under another task
     finished_step: int | None = None
     error: str | None = None
@@ -67,12 +68,13 @@ class Handle:
 
 class EngineService:
     def __init__(self, make_engine: Callable[[], LLM], client: redis.Redis, names: Names, hostname: str,
-                 result_ttl_s: int = 3600, on_replica_lost=None) -> None:
+                 result_ttl_s: int = 3600, on_replica_lost=None, worker_ttl_s: int = 15) -> None:
         self._make_engine = make_engine
         self.engine: LLM | None = None  # built by the stepping thread in ``start``
         self._calls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         self.on_replica_lost = on_replica_lost  # called once the jobs are handed back (the worker stops)
         self.result_ttl_s = result_ttl_s  # a delta stream lives as long as the result
+        self.worker_ttl_s = worker_ttl_s  # the worker's Redis record outlives it by at most this
         self.r = client
         self.names = names
         self.hostname = hostname
@@ -83,6 +85,7 @@ class EngineService:
         self._last_publish = 0.0
         self.jobs_received = 0  # generate tasks taken since start
         self.replica_lost = False
+        self._failed_steps = 0
 
     # --- called from task / control threads --------------------------------
     def start(self) -> LLM:
@@ -153,6 +156,18 @@ class EngineService:
         with self._lock:
             return list(self.handles.values())
 
+    def drain(self, timeout_s: float) -> None:
+        """Take no new jobs; let running ones finish for up to ``timeout_s``, then ``shutdown``."""
+        with self._lock:
+            self._stopping.set()
+        if timeout_s <= 0 or not self.handles:
+            self.shutdown()
+            return
+        log.info("draining: %d job(s) running, %.0f s to finish", len(self.handles), timeout_s)
+        timer = threading.Timer(timeout_s, self.shutdown)
+        timer.daemon = True
+        timer.start()
+
     def shutdown(self) -> None:
         """Abort every job (their tasks requeue them) and stop stepping."""
         with self._lock:
@@ -203,10 +218,15 @@ class EngineService:
             except ReplicaLostError as e:
                 self._replica_lost(e)
                 return
-            except Exception as e:  # noqa: BLE001 - one bad step must not kill the worker silently
-                log.exception("engine step failed; failing its requests")
+            except Exception as e:  # noqa: BLE001 - outside any request's step: the engine's state is unknown
+                self._failed_steps += 1
+                log.exception("engine step failed (%d in a row)", self._failed_steps)
+                if self._failed_steps >= MAX_FAILED_STEPS:  # a broken worker: give the jobs back and exit
+                    self._replica_lost(ReplicaLostError(f"{self._failed_steps} engine steps failed in a row"))
+                    return
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
                 continue
+            self._failed_steps = 0
             self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -236,6 +256,8 @@ class EngineService:
         """A stage process of the engine died: every job goes back to the queue, and the worker stops."""
         log.error("replica lost (%s): requeueing %d job(s), taking no more work", error, len(self.handles))
         self.replica_lost = True
+        for handle in self.snapshot():
+            handle.lost = True
         self.shutdown()
         self._release_all()
         if self.on_replica_lost is not None:
@@ -275,7 +297,7 @@ class EngineService:
         target = pipe if pipe is not None else self.r.pipeline(transaction=False)
         key = self.names.worker(self.hostname)
         target.hset(key, mapping=stats)
-        target.expire(key, WORKER_KEY_TTL_S)
+        target.expire(key, self.worker_ttl_s)
         if pipe is None:
             try:
                 target.execute()

@@ -26,6 +26,8 @@ from pagedq.workers.processes import free_port, spawn, stop, wait_or_kill
 
 log = logging.getLogger(__name__)
 
+PORT_FILE = "port"  # in the data dir: the port its server last listened on
+
 
 def find_redis_server() -> str:
     found = shutil.which("redis-server")
@@ -45,11 +47,21 @@ def find_redis_server() -> str:
 class RedisServer:
     """One redis-server process; ``with RedisServer(dir) as server: server.url``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, write_run_file: bool = True) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, write_run_file: bool = True,
+                 appendfsync: str = "everysec", maxmemory: int = 0) -> None:
         self.data_dir = Path(data_dir)
-        self.port = port
+        self.port = port or self._last_port()
         self.write_run_file = write_run_file
+        self.appendfsync = appendfsync
+        self.maxmemory = maxmemory  # bytes; 0 = no bound
         self.proc = None
+
+    def _last_port(self) -> int | None:
+        """The port this data dir's server had before: a restarted server keeps it, so workers reconnect."""
+        try:
+            return int((self.data_dir / PORT_FILE).read_text())
+        except (OSError, ValueError):
+            return None
 
     @property
     def url(self) -> str:
@@ -61,6 +73,7 @@ class RedisServer:
             self.port = self.port or free_port()
             self.proc = spawn([find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
                                "--dir", str(self.data_dir), "--appendonly", "yes", "--save", "",
+                               "--appendfsync", self.appendfsync, "--maxmemory", str(self.maxmemory),
                                "--maxmemory-policy", "noeviction", "--daemonize", "no"],
                               self.data_dir / "redis.log")
             if self._wait_ready(timeout):
@@ -68,6 +81,7 @@ class RedisServer:
             self.port = None
         else:
             raise BrokerNotFoundError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
+        (self.data_dir / PORT_FILE).write_text(str(self.port))
         if self.write_run_file:
             (self.data_dir / RUN_FILE).write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
         log.info("embedded redis-server on %s (data in %s)", self.url, self.data_dir)
@@ -125,7 +139,8 @@ def ensure_broker(settings: Settings):
         url = running_embedded_url(settings.redis_data_dir)
         server = None
         if url is None:
-            server = RedisServer(settings.redis_data_dir)
+            server = RedisServer(settings.redis_data_dir, appendfsync=settings.redis_appendfsync,
+                                 maxmemory=settings.redis_maxmemory)
             url = server.start()
     try:
         yield url

@@ -1,7 +1,7 @@
 """The queue pipeline end to end: a real redis-server, real worker processes, no fakes, no eager mode.
 
-One GPU worker (``python -m pagedq.workers.serve``) and one CPU worker
-(``python -m pagedq.pipeline.cpu_worker``) serve the whole module.  The GPU worker
+One GPU worker (``pagedq worker``) and one CPU worker (``pagedq cpu-worker``)
+serve the whole module.  The GPU worker
 holds at most 9 jobs (``worker_max_inflight=9``, ``max_num_seqs=9``); the
 priority test swaps in one that holds 4.  Everything uses the prefixes ``pqt:`` / ``pqt.`` on the
 session's Redis.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from kombu import Producer
+from queue_helpers import broker_depth, wait_until
 
 from pagedq.config import Settings
 from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK, broker_priority
@@ -31,16 +32,6 @@ from pagedq.workers.processes import free_port
 
 TIMEOUT = 120
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def wait_until(predicate, timeout: float = 60, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +68,6 @@ def wait_idle(client: Client, stack: Stack) -> None:
         s = worker_stats(client, stack)
         return s.get("requests") == "0" and s.get("inflight") == "0" and broker_depth(client) == 0
     wait_until(idle, TIMEOUT, what="an idle worker")
-
-
-def broker_depth(client: Client) -> int:
-    n = client.names
-    lists = [key for q in (n.preprocess_queue, n.results_queue, n.generate_queue(client.settings.model))
-             for key in n.broker_lists(q)]
-    pipe = client.r.pipeline(transaction=False)
-    for key in lists:
-        pipe.llen(key)
-    return sum(pipe.execute())
 
 
 def job_count(client: Client) -> int:
@@ -386,6 +367,24 @@ def test_flower_shows_generate_and_postprocess_tasks(client, settings, stack, tm
             return mine if done else None
         mine = wait_until(all_succeeded, 30, 0.5, "Flower to list the job's tasks as SUCCESS")
         assert mine[GENERATE_TASK]["worker"] == gpu_worker(stack).hostname
+        # Arguments read as the job, not as token ids or a wall of text.
+        for name in (PREPROCESS_TASK, GENERATE_TASK, POSTPROCESS_TASK):
+            args = mine[name]["args"]
+            assert f"job={job}" in args and "prompt_token_ids" not in args and len(args) < 300, (name, args)
+        assert "priority=5" in mine[PREPROCESS_TASK]["args"] and "prompt_tokens=" in mine[GENERATE_TASK]["args"]
+
+        # A job that fails in pagedq is a FAILURE in Flower, with pagedq's reason.
+        job = client.submit(prompt="hello " * 9000, max_tokens=4)
+        with pytest.raises(JobFailedError, match="maximum context length"):
+            client.result(job, timeout=TIMEOUT)
+
+        def failed() -> dict | None:
+            task = tasks_of_job().get(PREPROCESS_TASK, {})
+            return task if task.get("state") == "FAILURE" else None
+        task = wait_until(failed, 30, 0.5, "Flower to show the preprocess task as FAILURE")
+        assert "maximum context length" in task["exception"] and "context_length_exceeded" in task["exception"]
+        stats = json.loads(_get(f"{base}/api/tasks?state=FAILURE") or "{}")
+        assert any(job in (t.get("args") or "") for t in stats.values())
     finally:
         flower.send_signal(signal.SIGTERM)
         flower.wait(30)
@@ -425,9 +424,10 @@ def test_every_key_carries_a_deployment_prefix(client, stack):
 
 # --- a worker that goes away gives its jobs back ------------------------------------------------
 def test_worker_loss_returns_jobs_to_the_queue(redis_url, tmp_path: Path):
-    """Warm shutdown requeues a running job at once; a killed worker's job returns after the visibility timeout."""
+    """Warm shutdown (no drain time) requeues a running job at once; a killed worker's job returns when its
+    message's lease runs out."""
     s = Settings(broker_url=redis_url, key_prefix="pqk:", queue_prefix="pqk.", result_cache=False, kv_cache_memory="128MiB",
-                 visibility_timeout_s=3)
+                 visibility_timeout_s=3, drain_timeout_s=0)
     with Stack(s, log_dir=tmp_path) as stack, Client(s, stack.url) as client:
         job = client.submit(prompt="A long story:", max_tokens=300, **GREEDY)
 
@@ -450,7 +450,8 @@ def test_worker_loss_returns_jobs_to_the_queue(redis_url, tmp_path: Path):
         stack.wait_ready(TIMEOUT, [stack.add_worker("gpu")])
         result = client.result(job, timeout=TIMEOUT)
         assert result["usage"]["completion_tokens"] == 300
-        assert client.status(job).attempts >= 3
+        status = client.status(job)
+        assert status.attempts == 2, "the orderly shutdown is not an attempt; the kill is"
 
 
 # --- the command line, on the embedded default ---------------------------------------------------

@@ -31,13 +31,13 @@ BAD_LINES = {
     "bad-role": line("bad-role", {"messages": [{"role": "wizard", "content": "hi"}]}),
 }
 EXPECTED_PARAM = {"bad-url": "url", "neg-max": "max_tokens", "cold": "temperature", "top-p-zero": "top_p",
-                  "top-p-big": "top_p", "too-long": "max_tokens", "unknown-model": "model",
+                  "top-p-big": "top_p", "too-long": "prompt", "unknown-model": "model",
                   "no-messages": "messages", "bad-role": "messages.0.role"}
 
 
-def run_batch(tmp_path, lines: list[str]) -> list[dict]:
+def run_batch(tmp_path, lines: list[str | bytes]) -> list[dict]:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(lines) + "\n")
+    src.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
     env = {**os.environ, "PAGEDQ_KV_CACHE_MEMORY": "256MiB"}
     proc = subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "run-batch", "--offline", "-i", str(src),
                            "-o", str(dst)], capture_output=True, text=True, env=env, timeout=600)
@@ -93,3 +93,18 @@ def test_outputs_equal_the_engine_greedy_tokens(tmp_path):
     for o, w in zip(out, want, strict=True):
         assert o["response"]["body"]["choices"][0]["text"] == eng.tokenizer.decode(w.output_token_ids,
                                                                                    skip_special_tokens=True)
+
+
+def test_lines_no_parser_takes_are_one_error_line_each(tmp_path):
+    """A deeply nested line, a lone surrogate in custom_id, bytes that are not UTF-8: each its own error line."""
+    deep = '{"custom_id": "deep", "url": "/v1/completions", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    surrogate = line("x", chat("hi")).replace('"x"', '"\\ud800"')
+    latin1 = b'{"custom_id": "latin1", "url": "/v1/chat/completions", "body": {"messages": ' \
+             b'[{"role": "user", "content": "caf\xe9"}]}}'
+    good = [line(f"good{i}", chat(f"Say {i}.", max_tokens=3, temperature=0)) for i in range(2)]
+    out = run_batch(tmp_path, [good[0], deep, surrogate, latin1, good[1]])
+    status = [o["response"]["status_code"] for o in out]
+    assert status == [200, 400, 400, 400, 200]
+    errors = [(o["custom_id"], o["response"]["body"]["error"]["param"]) for o in out[1:4]]
+    assert errors == [(None, "line"), (None, "custom_id"), ("latin1", "messages.0.content")]
+    assert [o["custom_id"] for o in (out[0], out[4])] == ["good0", "good1"]

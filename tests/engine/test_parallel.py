@@ -15,14 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import pytest
 from engine_fixtures import engine as cached_engine
 from engine_fixtures import fresh_engine, greedy, settings, sharegpt_prompts
+from queue_helpers import DoneCounter
 
 from pagedq.config import Settings
-from pagedq.config.names import Names
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.workers.gpu_worker import EXIT_REPLICA_LOST
 from pagedq.workers.llm import LLM
@@ -228,26 +227,6 @@ def submit_all(client, n: int) -> list[str]:
 
 def expected_text(tokenizer, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
-
-
-class DoneCounter:
-    """Counts terminal-state publications per job (a job published twice would count 2)."""
-
-    def __init__(self, r, names: Names) -> None:
-        self.r = r  # keep the client alive: collecting it closes the subscription's connection
-        self.counts: Counter = Counter()
-        self.prefix = names.done_channel("")
-        self.pubsub = r.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.psubscribe(**{names.done_channel("*"): self._on})
-        self.thread = self.pubsub.run_in_thread(sleep_time=0.05, daemon=True)
-
-    def _on(self, message) -> None:
-        self.counts[message["channel"][len(self.prefix):]] += 1
-
-    def stop(self) -> None:
-        self.thread.stop()
-        self.thread.join(timeout=5)
-        self.pubsub.close()
 
 
 def stage_command(rank: int, stages: int, master: str) -> list[str]:

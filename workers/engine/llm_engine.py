@@ -27,7 +27,7 @@ from pagedq.config.messages import RequestError, check_context
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import Executor, ReplicaLostError
-from pagedq.workers.engine.scheduler import Scheduler, SchedulerStats
+from pagedq.workers.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from pagedq.workers.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,12 @@ class RequestOutput:
     output_token_ids: list[int]
     num_prompt_tokens: int
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)  # every generated token's, when asked for
     num_preemptions: int = 0
+    error: str | None = None  # with finish_reason "error": what the step raised
 
 
 class LLMEngine:
@@ -169,7 +170,13 @@ class LLMEngine:
                 sched = self.scheduler.schedule(self._micro_batch_seats())
                 if sched.is_empty:
                     break
-                ex.submit(sched)
+                try:
+                    ex.submit(sched)
+                except ReplicaLostError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - contained to the request that caused it
+                    outputs += self._step_failed(sched, e)
+                    return outputs
             if not ex.num_inflight:
                 ex.check()
                 return outputs
@@ -181,6 +188,26 @@ class LLMEngine:
                     outputs.append(self._output(seq, 0))
                 self._retire(seq)
             return outputs
+
+    def _step_failed(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A micro-batch raised before any of its tokens came back.
+
+        Its sequences are idle again (their tokens are recomputed).  Alone in the batch, a sequence is
+        the culprit and ends with ``finish_reason="error"``; otherwise each is run alone next
+        (``Scheduler.probe``), so only the one that raises again fails and its batch mates go on.
+        """
+        seqs = self.scheduler.abandon(sched)
+        if len(seqs) > 1:
+            log.warning("a step of %d requests raised %s: %s; running each alone to find the cause",
+                        len(seqs), type(error).__name__, error)
+            self.scheduler.probe.extend(seqs)
+            return []
+        seq = seqs[0]
+        log.error("request %s raised %s: %s; it fails, the others go on", seq.request_id, type(error).__name__, error)
+        seq.error = f"{type(error).__name__}: {error}"
+        self.scheduler.finish(seq, "error")
+        self._retire(seq)
+        return [self._output(seq, 0)]
 
     def _micro_batch_seats(self) -> int | None:
         """Running sequences the next micro-batch may take: an even share of all of them.
@@ -212,7 +239,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
             num_prompt_tokens=seq.num_prompt_tokens, finished=seq.is_finished, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_prompt_tokens,
-            logprobs=list(seq.logprobs), num_preemptions=seq.num_preemptions)
+            logprobs=list(seq.logprobs), num_preemptions=seq.num_preemptions, error=seq.error)
 
     # --- conveniences -----------------------------------------------------
     def run(self, requests: list[tuple[str, list[int], SamplingParams, int]],

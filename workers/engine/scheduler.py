@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 
 from pagedq.workers.engine.block_manager import BlockManager
@@ -91,6 +92,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # most urgent first
         self.busy: set[int] = set()  # id() of sequences in micro-batches in flight
         self._deferred: dict[int, tuple[Sequence, str]] = {}  # busy sequences to finish when they come back
+        self.probe: deque[Sequence] = deque()  # after a failed step: each runs alone, in turn
         self.stats = SchedulerStats()
 
     def reset_stats(self) -> SchedulerStats:
@@ -136,9 +138,19 @@ class Scheduler:
     def _least_urgent_idle(self) -> Sequence | None:
         return next((s for s in reversed(self.running) if id(s) not in self.busy), None)
 
+    def abandon(self, sched: SchedulerOutput) -> list[Sequence]:
+        """A planned micro-batch that never ran: its sequences are idle again, their tokens still to compute."""
+        for seq, _ in sched.scheduled:
+            self.busy.discard(id(seq))
+        return [seq for seq, _ in sched.scheduled]
+
     # --- planning a step ------------------------------------------------------
     def schedule(self, max_running: int | None = None) -> SchedulerOutput:
         """Plan one micro-batch of sequences not already in flight; they are busy until it comes back."""
+        while self.probe and self.probe[0].status != SequenceStatus.RUNNING:
+            self.probe.popleft()  # finished or preempted meanwhile: nothing to single out
+        if self.probe:
+            return self._schedule_alone(self.probe[0])
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         seats = max_running or len(self.running)  # no cap unless asked
@@ -187,6 +199,21 @@ class Scheduler:
         out.scheduled = [(s, planned[id(s)]) for s in self.running if id(s) in planned]
         self.busy.update(planned)
         self._record_kv_usage(planned)
+        return out
+
+    def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
+        """One suspect of a failed step, alone (nothing else runs until it is cleared or has failed)."""
+        out = SchedulerOutput()
+        if id(seq) in self.busy:
+            return out
+        n = min(seq.num_tokens - seq.num_computed_tokens, self.max_num_batched_tokens)
+        while not self.bm.allocate(seq, n):
+            victim = self._least_urgent_idle()
+            self._preempt(victim, out)
+            if victim is seq:
+                return out
+        out.scheduled = [(seq, n)]
+        self.busy.add(id(seq))
         return out
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
@@ -243,6 +270,8 @@ class Scheduler:
             if (deferred := self._deferred.pop(id(seq), None)) and not seq.is_finished:
                 self.finish(seq, deferred[1])
                 finished.append(seq)
+        if self.probe and any(seq is self.probe[0] for seq, _ in result.sched.scheduled):
+            self.probe.popleft()  # it ran alone without raising: not the cause
         st.steps += 1
         st.generated_tokens += len(result.seqs)
         return result.seqs, finished

@@ -33,8 +33,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # hash chain of this sequence's full blocks (prefix cache)
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.error: str | None = None  # what its step raised, when it ended with finish_reason "error"
         self.logprobs: list[dict] = []
         self.generator: torch.Generator | None = None
         if params.seed is not None:
