@@ -24,6 +24,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 from celery import Celery
 
 from pagedq.config.names import (
@@ -56,6 +58,16 @@ class TaskRouter:
         return None
 
 
+def broker_ssl(settings: Settings) -> dict:
+    """kombu's TLS options for a ``rediss://`` broker: the server's certificate is always verified."""
+    options: dict = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    for key, value in (("ssl_ca_certs", settings.redis_ca_file), ("ssl_certfile", settings.redis_cert_file),
+                       ("ssl_keyfile", settings.redis_key_file)):
+        if value is not None:
+            options[key] = str(value)
+    return options
+
+
 def message_lease_s(settings: Settings) -> float:
     return min(settings.worker_ttl_s, settings.visibility_timeout_s)
 
@@ -65,7 +77,8 @@ def celery_config(settings: Settings, url: str) -> dict:
     lease = message_lease_s(settings)
     return dict(
         broker_url=url,
-        **({"broker_transport": TRANSPORT} if url.startswith("redis://") else {}),
+        broker_transport=TRANSPORT,  # for redis:// and rediss:// alike
+        **({"broker_use_ssl": broker_ssl(settings)} if url.startswith("rediss://") else {}),
         broker_connection_retry_on_startup=True,
         broker_transport_options={
             "priority_steps": PRIORITY_STEPS,

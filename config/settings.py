@@ -1,18 +1,22 @@
 """All of pagedq's settings in one pydantic-settings model.
 
 Values come from (highest first): keyword arguments, ``PAGEDQ_*`` environment
-variables, a TOML file (``PAGEDQ_CONFIG_FILE`` or ``./pagedq.toml``), defaults.
+variables, the TOML file named by ``PAGEDQ_CONFIG_FILE`` (or ``--config``; never
+one found in the working directory by chance), defaults.  A ``PAGEDQ_*``
+variable that names no setting is an error naming the closest one: a typo
+never goes unnoticed.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -47,6 +51,13 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=_default_state_dir,
                             description="embedded Redis data, converted models, logs")
     broker_url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server")
+    control_secret: SecretStr | None = Field(
+        None, description="signs cancel/stream/reload messages to workers; unset = a random key generated once in "
+                          "state_dir/control.key (set it on every host of a multi-host deployment)")
+    redis_ca_file: Path | None = Field(None, description="CA bundle that signs the Redis server's certificate "
+                                       "(rediss:// URLs; default: the system's CAs). Certificates are always verified")
+    redis_cert_file: Path | None = Field(None, description="client certificate for rediss:// (mutual TLS)")
+    redis_key_file: Path | None = Field(None, description="its private key")
     key_prefix: str = "pagedq:"
     queue_prefix: str = "pagedq."
 
@@ -66,6 +77,8 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default = all cores")
+    adaptive_threads: bool = Field(True, description="a CPU worker computes with the cores other processes leave "
+                                                     "free (re-planned every 2 s), not all of them")
 
     # --- parallelism (one replica over several processes) --------------------
     pipeline_stages: int = Field(1, ge=1, description="processes, each holding a contiguous range of layers")
@@ -132,11 +145,28 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml_file = Path(os.environ.get("PAGEDQ_CONFIG_FILE", "pagedq.toml"))
+        check_environment()
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if toml_file.is_file():
+        if os.environ.get("PAGEDQ_CONFIG_FILE"):
+            toml_file = Path(os.environ["PAGEDQ_CONFIG_FILE"])
+            if not toml_file.is_file():
+                raise FileNotFoundError(f"PAGEDQ_CONFIG_FILE: no such file: {toml_file}")
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
+
+
+# PAGEDQ_* variables read by something other than Settings.
+OTHER_VARIABLES = {"PAGEDQ_CONFIG_FILE", "PAGEDQ_TEST_SEED", "PAGEDQ_API_KEYS_FILE"}
+
+
+def check_environment() -> None:
+    """Raise ValueError for a PAGEDQ_* variable that names no setting, naming the closest one."""
+    known = {f"PAGEDQ_{name.upper()}" for name in Settings.model_fields} | OTHER_VARIABLES
+    for var in sorted(v for v in os.environ if v.upper().startswith("PAGEDQ_")):
+        if var.upper() not in known:
+            close = difflib.get_close_matches(var.upper(), sorted(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else "; see docs/configuration.md"
+            raise ValueError(f"unknown setting {var}{hint}")
 
 
 @lru_cache(maxsize=1)

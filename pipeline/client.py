@@ -46,6 +46,7 @@ from pagedq.pipeline.protocol import (
 )
 from pagedq.store.connection import BrokerUnavailable, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
+from pagedq.store.control import ControlChannel, control_secret
 from pagedq.store.jobs import JobStore, now
 from pagedq.store.registry import lookup_model
 from pagedq.store.result_cache import ResultCache, is_deterministic
@@ -162,8 +163,9 @@ class Client:
     def __init__(self, settings: Settings | None = None, broker_url: str | None = None) -> None:
         self.settings = settings or get_settings()
         url = broker_url or find_broker_url(self.settings)
-        self.r = redis_client(url, self.settings.broker_timeout_s)
+        self.r = redis_client(url, self.settings.broker_timeout_s, self.settings)
         self.names = Names.from_settings(self.settings)
+        self.control = ControlChannel(self.r, self.names, control_secret(self.settings))
         self.store = JobStore(self.r, self.names, self.settings.result_ttl_s, self.settings.max_attempts)
         self.app = make_celery(self.settings, url)
         self.cache = ResultCache(self.r, self.names, self.settings.result_cache_ttl_s,
@@ -270,7 +272,7 @@ class Client:
         before = lookup_model(self.r, self.names, model)
         if before is None:
             raise RequestError(f"model: no worker serves {model!r}", "model", code="model_not_found")
-        self.r.publish(self.names.control_channel, json.dumps({"op": "reload", "model": model}))
+        self.control.publish("reload", model=model)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = lookup_model(self.r, self.names, model)
@@ -348,7 +350,7 @@ class Client:
         if previous == JobState.QUEUED:
             self.store.finish(job_id, JobState.CANCELLED)
         elif previous in (JobState.IN_PROGRESS, JobState.CANCELLING):
-            self.r.publish(self.names.control_channel, json.dumps({"op": "cancel", "job_id": job_id}))
+            self.control.publish("cancel", job_id=job_id)
         return self.status(job_id)
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
@@ -357,7 +359,7 @@ class Client:
         if not self.r.exists(self.names.job(job_id)):
             raise JobNotFoundError(job_id)
         self.r.hset(self.names.job(job_id), "stream", 1)
-        self.r.publish(self.names.control_channel, json.dumps({"op": "stream", "job_id": job_id}))
+        self.control.publish("stream", job_id=job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         sent, last = "", "0-0"
         while not self.status(job_id).done:

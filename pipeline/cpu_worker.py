@@ -165,7 +165,7 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
 
 def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: str = "INFO") -> None:
     url = broker_url(settings)
-    r = redis_client(url)
+    r = redis_client(url, settings=settings)
     names = Names.from_settings(settings)
     hostname = hostname or worker_hostname("cpu")
     app = make_celery(settings, url)

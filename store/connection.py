@@ -8,7 +8,9 @@ machine, read from the run file it keeps in its data dir.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -26,10 +28,25 @@ class BrokerUnavailable(ConnectionError):
     retried."""
 
 
-def redis_client(url: str, timeout_s: float | None = 30) -> redis.Redis:
+def tls_options(url: str, settings: Settings | None) -> dict:
+    """redis-py's TLS arguments for a ``rediss://`` URL: certificates always verified (CERT_REQUIRED), against
+    ``PAGEDQ_REDIS_CA_FILE`` (else the system's CAs), with a client certificate when one is configured."""
+    if not url.startswith("rediss://"):
+        return {}
+    options: dict = {"ssl_cert_reqs": "required"}
+    if settings is not None:
+        for key, value in (("ssl_ca_certs", settings.redis_ca_file), ("ssl_certfile", settings.redis_cert_file),
+                           ("ssl_keyfile", settings.redis_key_file)):
+            if value is not None:
+                options[key] = str(value)
+    return options
+
+
+def redis_client(url: str, timeout_s: float | None = 30, settings: Settings | None = None) -> redis.Redis:
     """A client whose every call answers or raises within ``timeout_s`` (blocking reads wait less than that)."""
     return redis.Redis.from_url(url, decode_responses=True, health_check_interval=30, socket_timeout=timeout_s,
-                                socket_connect_timeout=timeout_s, retry_on_timeout=False)
+                                socket_connect_timeout=timeout_s, retry_on_timeout=False,
+                                **tls_options(url, settings))
 
 
 def ping(url: str, timeout: float = 1.0) -> bool:
@@ -39,13 +56,34 @@ def ping(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def mask_url(url: str) -> str:
+    """The URL fit for a log line: ``redis://user:***@host:port/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def running_embedded_url(data_dir: Path) -> str | None:
-    """The URL of a live embedded server using ``data_dir``, if there is one."""
+    """The URL of a live embedded server using ``data_dir``, if there is one (its recorded process alive
+    and answering with its password: a stale run file, or another program on that port, is not trusted)."""
     try:
         info = json.loads((Path(data_dir) / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return info["url"] if ping(info.get("url", "")) else None
+    url = info.get("url", "")
+    return url if _alive(info.get("pid")) and ping(url) else None
 
 
 def broker_url(settings: Settings) -> str:

@@ -19,7 +19,6 @@ these, on any hosts, may consume the same model queue.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ import threading
 import time
 
 import redis
+import torch
 from celery import Celery, signals
 from celery.exceptions import Reject
 
@@ -43,10 +43,12 @@ from pagedq.config.messages import (
     to_json,
 )
 from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, JobState, Names, broker_priority
+from pagedq.store import control
 from pagedq.store.connection import broker_url, redis_client
 from pagedq.store.jobs import JobStore
 from pagedq.store.registry import register_model
 from pagedq.workers.celery_worker import run_celery_worker
+from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.llm import LLM
 from pagedq.workers.processes import worker_hostname
 from pagedq.workers.service import EngineService, Handle, model_info
@@ -155,11 +157,13 @@ class ProgressReporter(threading.Thread):
 
 
 class ControlListener:
-    """Requests on ``names.control_channel``: {"op": "cancel" | "stream", "job_id": ...}, or
-    {"op": "reload", "model": ...} (reload the weights; the prefix cache is dropped)."""
+    """Signed requests on ``names.control_channel`` (see ``pagedq.store.control``): {"op": "cancel" | "stream",
+    "job_id": ...}, or {"op": "reload", "model": ...} (reload the weights; the prefix cache is dropped).
+    Unsigned, forged or stale messages change nothing and are logged."""
 
-    def __init__(self, r: redis.Redis, names: Names, service: EngineService) -> None:
+    def __init__(self, r: redis.Redis, names: Names, secret: bytes, service: EngineService) -> None:
         self.service = service
+        self.secret = secret
         self.pubsub = r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(**{names.control_channel: self.on_message})
         self.thread = None
@@ -170,7 +174,7 @@ class ControlListener:
 
     def on_message(self, message: dict) -> None:
         try:
-            request = json.loads(message["data"])
+            request = control.verify(self.secret, message["data"])
             op = request["op"]
             if op == "reload":
                 if request["model"] == self.service.engine.model_name:
@@ -181,7 +185,7 @@ class ControlListener:
                 return
             job_id = str(request["job_id"])
         except (ValueError, KeyError, TypeError) as e:
-            log.error("ignoring a malformed control message %r: %s", message.get("data"), e)
+            log.error("ignoring a control message (%s): %.200r", e, message.get("data"))
             return
         if op == "cancel":
             self.service.cancel(job_id)
@@ -196,23 +200,33 @@ class ControlListener:
         time.sleep(1.0)
 
 
+def thread_budget(settings: Settings) -> ThreadBudget | None:
+    """Adapt the thread count to the CPU left free, for a whole model in this process on the CPU, unless the
+    thread count is set (``PAGEDQ_NUM_THREADS``) or turned off (``PAGEDQ_ADAPTIVE_THREADS=false``)."""
+    one_process = settings.pipeline_stages == 1 and settings.tensor_parallel == 1
+    on_cpu = settings.device == "cpu" or (settings.device == "auto" and not torch.cuda.is_available())
+    if settings.adaptive_threads and settings.num_threads is None and one_process and on_cpu:
+        return ThreadBudget()
+    return None
+
+
 EXIT_REPLICA_LOST = 3  # a process of the engine's replica died: restart the worker (its jobs were requeued)
 
 
 def run_worker(settings: Settings, model: str | None = None, hostname: str | None = None,
                loglevel: str = "INFO") -> None:
     url = broker_url(settings)
-    r = redis_client(url)
+    r = redis_client(url, settings=settings)
     names = Names.from_settings(settings)
     hostname = hostname or worker_hostname("gpu")
     service = EngineService(lambda: LLM(settings, model), r, names, hostname, settings.result_ttl_s,
                             on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),  # warm shutdown
-                            worker_ttl_s=settings.worker_ttl_s)
+                            worker_ttl_s=settings.worker_ttl_s, thread_budget=thread_budget(settings))
     engine = service.start()  # built on the thread that will step it (see service.py)
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
     register_generate(app, service, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names)
-    ControlListener(r, names, service).start()
+    ControlListener(r, names, control.control_secret(settings), service).start()
     ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s).start()
     signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
     queue = names.generate_queue(engine.model_name)

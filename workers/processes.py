@@ -22,16 +22,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn(cmd: list[str], log_path: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(cmd: list[str], log_path: Path | None = None, env: dict[str, str] | None = None,
+          umask: int = -1) -> subprocess.Popen:
     """Start ``cmd`` in its own session (a terminal's Ctrl-C reaches only the parent, which stops it).
 
     Output goes to ``log_path``, or to the parent's stdout/stderr when it is None.
     """
-    out = open(log_path, "ab") if log_path else None
+    out = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") if log_path else None
     try:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})}, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent, umask=umask)
     finally:
         if log_path:
             out.close()

@@ -26,11 +26,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import redis
+import torch
 
 from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.store.registry import ModelInfo, register_model
+from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import ReplicaLostError
 from pagedq.workers.engine.llm_engine import RequestOutput
@@ -68,8 +70,10 @@ class Handle:
 
 class EngineService:
     def __init__(self, make_engine: Callable[[], LLM], client: redis.Redis, names: Names, hostname: str,
-                 result_ttl_s: int = 3600, on_replica_lost=None, worker_ttl_s: int = 15) -> None:
+                 result_ttl_s: int = 3600, on_replica_lost=None, worker_ttl_s: int = 15,
+                 thread_budget: ThreadBudget | None = None) -> None:
         self._make_engine = make_engine
+        self.thread_budget = thread_budget  # None: the thread count stays as configured
         self.engine: LLM | None = None  # built by the stepping thread in ``start``
         self._calls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         self.on_replica_lost = on_replica_lost  # called once the jobs are handed back (the worker stops)
@@ -213,6 +217,9 @@ class EngineService:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            if self.thread_budget is not None and (n := self.thread_budget.plan()) != torch.get_num_threads():
+                log.info("computing with %d thread(s): other processes use the rest", n)
+                torch.set_num_threads(n)
             try:
                 outputs = self.engine.step()
             except ReplicaLostError as e:

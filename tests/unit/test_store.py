@@ -1,0 +1,109 @@
+"""What lives in Redis, against a real redis-server: job state scripts, the backlog bound, signed control messages."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+from queue_helpers import wait_until
+
+from pagedq.config.messages import RequestError
+from pagedq.config.names import JobState, Names
+from pagedq.store import control
+from pagedq.store.jobs import JobStore
+from pagedq.workers.gpu_worker import ControlListener
+
+
+@pytest.fixture
+def names() -> Names:
+    tag = uuid.uuid4().hex[:8]
+    return Names(key_prefix=f"u{tag}:", queue_prefix=f"u{tag}.")
+
+
+def record(model: str = "m") -> dict:
+    return {"state": "queued", "model": model, "priority": 5, "created_at": time.time(), "attempts": 0}
+
+
+def test_admit_counts_attempts_and_a_job_that_keeps_losing_its_worker_is_poison(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60, max_attempts=2)
+    store.create([("j", record())], max_queued=10)
+    assert store.admit("j", worker="w1") == "ok"
+    assert store.admit("j", worker="w2") == "ok"  # w1 died: redelivered
+    assert store.admit("j", worker="w3") == "poison"
+    store.settle("j", "poison")
+    job = store.get("j")
+    assert job["state"] == "failed" and json.loads(job["error"])["code"] == "poison"
+    assert store.backlog("m") == 0
+
+
+def test_an_orderly_requeue_is_not_an_attempt_a_lost_replica_is(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60, max_attempts=3)
+    store.create([("j", record())], max_queued=10)
+    store.admit("j", worker="w1")
+    store.requeue("j")  # worker shutting down
+    assert store.get("j")["attempts"] == "0" and store.state("j") == "queued"
+    store.admit("j", worker="w2")
+    store.requeue("j", count_attempt=True)  # its replica lost a process
+    assert store.get("j")["attempts"] == "1"
+
+
+def test_the_backlog_is_bounded_per_model_and_all_or_nothing(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60)
+    store.create([(f"a{i}", record("a")) for i in range(3)], max_queued=3)
+    before = set(redis.scan_iter(match=f"{names.key_prefix}*"))
+    with pytest.raises(RequestError) as e:
+        store.create([("b0", record("b")), ("a3", record("a"))], max_queued=3)
+    assert e.value.code == "queue_full" and "'a'" in str(e.value)
+    assert set(redis.scan_iter(match=f"{names.key_prefix}*")) == before, "a refused create writes nothing"
+    store.create([("b0", record("b"))], max_queued=3)  # another model has its own bound
+    assert store.finish("a0", JobState.COMPLETED, result={"ok": 1})
+    assert not store.finish("a0", JobState.FAILED), "a terminal job ends once"
+    assert (store.backlog("a"), store.backlog("b")) == (2, 1)
+    store.discard("b0")  # never sent
+    assert store.backlog("b") == 0 and not redis.exists(names.job("b0"))
+
+
+class RecordingService:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.engine = SimpleNamespace(model_name="m")
+
+    def cancel(self, job_id: str) -> None:
+        self.calls.append(("cancel", job_id))
+
+    def enable_stream(self, job_id: str) -> None:
+        self.calls.append(("stream", job_id))
+
+    def reload(self) -> None:
+        self.calls.append(("reload",))
+
+
+def test_forged_control_messages_change_nothing_and_are_logged(redis, names, caplog):
+    secret = b"s" * 32
+    service = RecordingService()
+    listener = ControlListener(redis, names, secret, service)
+    listener.start()
+    try:
+        caplog.set_level(logging.ERROR, logger="pagedq.workers.gpu_worker")
+        forged = [
+            json.dumps({"op": "reload", "model": "m"}),  # unsigned
+            control.sign(b"wrong key" * 4, "reload", model="m"),  # someone else's key
+            json.dumps({**json.loads(control.sign(secret, "reload", model="m")), "model": "other"}),  # altered
+            control.sign(secret, "reload", model="m").replace('"ts": ', '"ts": 1'),  # tampered timestamp
+        ]
+        for raw in forged:
+            redis.publish(names.control_channel, raw)
+        wait_until(lambda: len([r for r in caplog.records if "ignoring a control message" in r.message]) == 4,
+                   10, what="four rejections logged")
+        assert service.calls == []
+        channel = control.ControlChannel(redis, names, secret)
+        channel.publish("cancel", job_id="j1")
+        channel.publish("reload", model="m")
+        wait_until(lambda: len(service.calls) == 2, 10, what="the signed messages")
+        assert service.calls == [("cancel", "j1"), ("reload",)]
+    finally:
+        listener.thread.stop()

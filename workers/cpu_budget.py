@@ -1,0 +1,80 @@
+"""How many threads the engine should compute with: the cores this process gets, less what others are using.
+
+On a CPU, every operator is an OpenMP parallel region, and a region ends only
+when its slowest thread does.  If another process takes a core, one of our
+threads waits for a time slice at every region, thousands of times a step:
+two threads on two busy cores run many times slower than one thread on the
+core that is free.  So the stepping thread re-plans its thread count every
+``interval_s`` from
+
+- the cores it may run on (CPU affinity, and a cgroup v2 ``cpu.max`` quota);
+- minus the CPU time other processes used over the last interval (from
+  ``/proc/stat``, less this process's own), rounded to whole cores;
+
+and never fewer than one.  A quiet machine keeps every core.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+
+def cores_allowed() -> int:
+    """Cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def _machine_busy_ticks() -> int:
+    """Clock ticks all CPUs spent busy (user, nice, system, irq, softirq, steal) since boot."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_ticks() -> int:
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime of every thread of this process
+
+
+class ThreadBudget:
+    """Call ``plan()`` between engine steps; it returns the thread count to use (it re-plans every interval)."""
+
+    def __init__(self, interval_s: float = 2.0, max_threads: int | None = None) -> None:
+        self.interval_s = interval_s
+        self.max_threads = max_threads or cores_allowed()
+        self.threads = self.max_threads
+        self.last_other: float | None = None  # the other load the current plan was made from
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, int, int] | None:
+        try:
+            return time.monotonic(), _machine_busy_ticks(), _own_ticks()
+        except (OSError, ValueError, IndexError):
+            return None  # no /proc: keep every core
+
+    def other_load(self) -> float | None:
+        """Cores' worth of CPU other processes used since the last call (None until an interval passed)."""
+        now = self._sample()
+        if now is None or self._last is None or now[0] - self._last[0] < self.interval_s:
+            return None
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        self._last = now
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / self.hz / (t1 - t0))
+
+    def plan(self) -> int:
+        other = self.other_load()
+        if other is not None:
+            self.last_other = other
+            self.threads = max(1, min(self.max_threads, self.max_threads - round(other)))
+        return self.threads
