@@ -27,6 +27,7 @@ from __future__ import annotations
 import ssl
 
 from celery import Celery
+from kombu.transport import TRANSPORT_ALIASES
 
 from pagedq.config.names import (
     GENERATE_TASK,
@@ -77,7 +78,6 @@ def celery_config(settings: Settings, url: str) -> dict:
     lease = message_lease_s(settings)
     return dict(
         broker_url=url,
-        broker_transport=TRANSPORT,  # for redis:// and rediss:// alike
         **({"broker_use_ssl": broker_ssl(settings)} if url.startswith("rediss://") else {}),
         broker_connection_retry_on_startup=True,
         broker_transport_options={
@@ -111,7 +111,17 @@ def celery_config(settings: Settings, url: str) -> dict:
     )
 
 
+def use_hardened_transport() -> None:
+    """redis:// and rediss:// URLs select the hardened transport in this process.
+
+    Through the URL scheme rather than Celery's ``broker_transport``, so the broker URI keeps its
+    ``redis`` scheme for everything that reads it (Flower's Broker page and queue lengths).
+    """
+    TRANSPORT_ALIASES.update(redis=TRANSPORT, rediss=TRANSPORT)
+
+
 def make_celery(settings: Settings, url: str, main: str = "pagedq") -> Celery:
+    use_hardened_transport()
     app = Celery(main, set_as_current=False)
     app.conf.update(celery_config(settings, url))
     return app

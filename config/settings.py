@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     wait_timeout_s: float = Field(3600, gt=0, description="default of Client.result()/wait(): seconds before "
                                                          "TimeoutError (the job goes on; wait again)")
 
+    # --- metrics (docs/metrics.md) -------------------------------------------
+    metrics_port: int = Field(0, ge=0, le=65535, description="workers serve Prometheus metrics on the first "
+                              "free port from this one up (each worker its own, in its record); 0 = off")
+    metrics_address: str = Field("127.0.0.1", description="address the workers' metrics endpoints listen on")
+
     @field_validator("kv_cache_memory", "result_cache_max_bytes", "redis_maxmemory", mode="before")
     @classmethod
     def _sizes(cls, value: int | str) -> int:

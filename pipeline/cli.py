@@ -102,6 +102,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                   reuse_workers=True)
     try:
         stack.start()
+        if args.http is not None:
+            stack.add_gateway(args.http)
+            print(f"pagedq up: OpenAI-compatible API on http://127.0.0.1:{args.http}/v1", file=sys.stderr)
         joined = "" if stack.owns_broker else " (joined the running broker)"
         started = sum(c.role == "gpu" for c in stack.children), sum(c.role == "cpu" for c in stack.children)
         reused = " (reusing the workers already serving it)" if started != (args.gpu_workers, args.cpu_workers) else ""
@@ -119,7 +122,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedq.pipeline.gateway.serve import serve
 
-    return serve(_settings(args), args.host, args.port, args.workers, args.api_keys_file, args.log_level)
+    return serve(_settings(args), args.host, args.port, args.workers, args.log_level,
+                 api_keys_file=args.api_keys_file, max_request_bytes=args.max_request_bytes,
+                 max_file_bytes=args.max_file_bytes)
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -223,6 +228,10 @@ def _readable(status) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.job_id is None:  # no job: the whole deployment
+        return cmd_deployment_status(args)
+    if args.watch is not None:
+        raise CliError("watch: only without a job id (the deployment view)")
     with _client(args) as client:
         status = client.status(args.job_id)
     if args.json:
@@ -230,6 +239,68 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     for key, value in _readable(status).items():
         print(f"{key:18} {json.dumps(value) if isinstance(value, dict) else value}")
+    return 0
+
+
+def cmd_deployment_status(args: argparse.Namespace) -> int:
+    """``pagedq status`` without a job id: workers, queues, jobs on one screen, from Redis only."""
+    import time
+
+    import redis
+
+    from pagedq.config.names import Names
+    from pagedq.pipeline.status import connect, render, snapshot
+    from pagedq.store.connection import BrokerUnavailable, mask_url
+
+    if args.watch is not None and args.watch <= 0:
+        raise CliError("watch: must be a number of seconds > 0")
+    settings = _settings(args, flags=())
+    r, url = connect(settings)
+    names = Names.from_settings(settings)
+    try:
+        while True:
+            try:
+                snap = snapshot(r, names, mask_url(url))
+            except (redis.RedisError, OSError) as e:
+                if args.watch is None:
+                    raise BrokerUnavailable(f"cannot read {mask_url(url)}: {_first_line(e)}") from None
+                print(f"error: broker: cannot read {mask_url(url)}: {_first_line(e)} (retrying)",
+                      file=sys.stderr)
+            else:
+                if args.json:
+                    print(json.dumps(snap.as_dict(), indent=None if args.watch else 1), flush=True)
+                else:
+                    clear = "\x1b[H\x1b[2J" if args.watch and sys.stdout.isatty() else ""
+                    print(clear + render(snap) + ("\n" if args.watch and not clear else ""), flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    import signal
+
+    from pagedq.config.names import Names
+    from pagedq.pipeline.exporter import run_exporter
+    from pagedq.pipeline.status import connect
+    from pagedq.store.connection import mask_url
+
+    if args.jobs_interval <= 0:
+        raise CliError("jobs-interval: must be a number of seconds > 0")
+    settings = _settings(args, flags=())
+    r, url = connect(settings)
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(f"pagedq exporter: broker {mask_url(url)}; metrics at http://{args.address}:{args.port}/metrics",
+          file=sys.stderr, flush=True)
+    try:
+        run_exporter(r, Names.from_settings(settings), args.port, args.address, args.jobs_interval)
+    except OSError as e:
+        raise CliError(f"port: cannot listen on {args.address}:{args.port}: {e.strerror or e}",
+                       code=1) from None
+    except KeyboardInterrupt:
+        return 0
     return 0
 
 
@@ -359,9 +430,14 @@ def _client_commands(sub) -> None:
     _timeout(p)
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("status", help="a job's state, timestamps (ISO 8601, UTC), attempts, tokens, error")
-    p.add_argument("job_id")
-    p.add_argument("--json", action="store_true", help="the raw record as JSON (times as unix seconds)")
+    p = sub.add_parser("status", help="a job's state, timestamps (ISO 8601, UTC), attempts, tokens, error; "
+                                      "without a job id: workers, queues by priority, jobs by state")
+    p.add_argument("job_id", nargs="?", help="a job id (default: none, the whole deployment)")
+    p.add_argument("--json", action="store_true", help="the job's raw record, or the deployment snapshot, as "
+                                                       "JSON (times as unix seconds; --watch: one per line)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                   help="redraw the deployment view every SECONDS until Ctrl-C (default: once; 2 s if no "
+                        "value)")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("result", help="wait for a job's result and print it")
     p.add_argument("job_id")
@@ -449,6 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-workers", type=int, default=1, help="GPU workers to start (default 1)")
     p.add_argument("--cpu-workers", type=int, default=1, help="CPU workers to start (default 1)")
     p.add_argument("--loglevel", default="INFO", help="the workers' log level (default INFO)")
+    p.add_argument("--http", type=int, nargs="?", const=8000, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API on 127.0.0.1:PORT (default port 8000)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP gateway (FastAPI under uvicorn); see docs/http.md")
@@ -457,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (the gateway is stateless)")
     p.add_argument("--api-keys-file", help="JSON or TOML file of hashed API keys (default: PAGEDQ_API_KEYS_FILE)")
     p.add_argument("--model", help="the default model (requests without one, /ready)")
+    p.add_argument("--max-request-bytes", help="largest JSON request body, e.g. 4MiB (default; 413 beyond)")
+    p.add_argument("--max-file-bytes", help="largest file upload, e.g. 64MiB (default; 413 beyond)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     p.set_defaults(func=cmd_serve)
 
@@ -472,6 +552,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve /api/* without auth (sets FLOWER_UNAUTHENTICATED_API; loopback only)")
     p.add_argument("flower_args", nargs="*", help="more Flower options, after --")
     p.set_defaults(func=cmd_flower)
+
+    p = sub.add_parser("exporter", help="deployment-level Prometheus metrics at /metrics (queues by "
+                                        "priority, jobs by state, live workers), read from Redis; one per "
+                                        "deployment")
+    p.add_argument("--port", type=int, default=9300, help="TCP port (default 9300)")
+    p.add_argument("--address", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--jobs-interval", type=float, default=10.0,
+                   help="seconds between two reads of what needs a SCAN: job records, workers, models "
+                        "(default 10; queue lengths are read at every scrape)")
+    p.set_defaults(func=cmd_exporter)
     return parser
 
 

@@ -49,6 +49,7 @@ from pagedq.store.jobs import JobStore
 from pagedq.store.registry import lookup_model
 from pagedq.store.result_cache import ResultCache
 from pagedq.workers.celery_worker import run_celery_worker
+from pagedq.workers.metrics import task_metrics
 from pagedq.workers.processes import worker_hostname
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,9 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
         except Exception as e:  # noqa: BLE001 - other models may still be served
             log.warning("could not load the tokenizer of %s: %s", settings.model, e)
     register_cpu_tasks(app, settings, r, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names, tokenizers)
+    metrics = task_metrics(settings, hostname)  # off unless PAGEDQ_METRICS_PORT
     # Results first: at equal priority, finishing a job beats starting another.
-    run_celery_worker(app, r, names.worker(hostname), {"role": "cpu"},
+    run_celery_worker(app, r, names.worker(hostname), {"role": "cpu", **metrics.record_fields()},
                       queues=[names.results_queue, names.preprocess_queue],
                       concurrency=settings.cpu_worker_concurrency, hostname=hostname, loglevel=loglevel,
                       ttl_s=settings.worker_ttl_s)

@@ -50,6 +50,7 @@ from pagedq.store.registry import register_model
 from pagedq.workers.celery_worker import run_celery_worker
 from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.llm import LLM
+from pagedq.workers.metrics import engine_metrics
 from pagedq.workers.processes import worker_hostname
 from pagedq.workers.service import EngineService, Handle, model_info
 
@@ -70,11 +71,16 @@ def register_generate(app: Celery, service: EngineService, store: JobStore, name
         job = parse_generate(payload, self.request.id)
         verdict = store.admit(job.job_id, worker=self.request.hostname)
         if verdict != "ok":
+            service.metrics.settled(verdict)
             store.settle(job.job_id, verdict)
             raise JobNotCompleted(f"job {job.job_id} {store.state(job.job_id)} before generating")
+        if service.metrics.enabled:  # the submit time, for latencies; attempts, for redeliveries
+            fields = store.r.hmget(names.job(job.job_id), "created_at", "attempts")
+            service.metrics.admitted(job.job_id, *fields)
         try:
             handle = service.submit(job, self.request.id)
         except RequestError as e:
+            service.metrics.ended(job.job_id, "failed")
             store.finish(job.job_id, JobState.FAILED, error=e.to_dict())
             raise JobNotCompleted(f"job {job.job_id} failed: {e.code}: {e}") from None
         # Cancel or stream requests published before the job was registered here left their flag on the record.
@@ -223,6 +229,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
                             on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),  # warm shutdown
                             worker_ttl_s=settings.worker_ttl_s, thread_budget=thread_budget(settings))
     engine = service.start()  # built on the thread that will step it (see service.py)
+    service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
     register_generate(app, service, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names)

@@ -37,6 +37,7 @@ from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import ReplicaLostError
 from pagedq.workers.engine.llm_engine import RequestOutput
 from pagedq.workers.llm import LLM, Generation, feed, finish
+from pagedq.workers.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class EngineService:
         self.jobs_received = 0  # generate tasks taken since start
         self.replica_lost = False
         self._failed_steps = 0
+        self.metrics = EngineMetrics()  # gpu_worker sets PrometheusEngineMetrics when metrics are on
 
     # --- called from task / control threads --------------------------------
     def start(self) -> LLM:
@@ -123,6 +125,7 @@ class EngineService:
                 handle.done.set()
                 return handle
             self.handles[job.job_id] = handle  # before the engine can produce output for it
+            self.metrics.added(job.job_id)
             self.jobs_received += 1
             try:
                 self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority)
@@ -250,6 +253,7 @@ class EngineService:
                 handle.output, handle.finished_step = finish(handle.detokenizer, out), step
             if handle.stream:
                 self._stream_delta(pipe, handle, out.finished)
+        self.metrics.step(self.engine, outputs)
         self._publish_stats(pipe=pipe)
         try:
             pipe.execute()
@@ -274,6 +278,7 @@ class EngineService:
         with self._lock:
             handle = self.handles.pop(job_id, None)
         if handle is not None:
+            self.metrics.released(handle)
             handle.done.set()
 
     def _release_all(self) -> None:
@@ -301,6 +306,7 @@ class EngineService:
                  "requests": e.num_requests, "inflight": len(self.handles), "preemptions": e.stats.preemptions,
                  "generated_tokens": e.stats.generated_tokens, "jobs_received": self.jobs_received,
                  "fingerprint": e.fingerprint, "prefix_hits": e.stats.prefix_hits, "updated_at": time.time()}
+        stats.update(self.metrics.record_fields(e))
         target = pipe if pipe is not None else self.r.pipeline(transaction=False)
         key = self.names.worker(self.hostname)
         target.hset(key, mapping=stats)

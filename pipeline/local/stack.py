@@ -106,6 +106,30 @@ class Stack:
         self.children.append(child)
         return child
 
+    def add_gateway(self, port: int, timeout: float = 120) -> Child:
+        """The HTTP gateway (``pagedq serve``) on 127.0.0.1:``port``, once its /health answers."""
+        import urllib.request
+
+        hostname = worker_hostname("http", len(self.children))
+        log_path = Path(self.log_dir) / "http.log" if self.log_dir else None
+        env = {**settings_env(self.settings), **self.env, "PAGEDQ_BROKER_URL": self.url}
+        cmd = [sys.executable, "-m", "pagedq.pipeline.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        child = Child(hostname, "http", spawn(cmd, log_path, env), log_path)
+        self.children.append(child)
+        deadline = time.monotonic() + timeout
+        while True:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"the HTTP gateway exited with {child.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return child
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the HTTP gateway did not answer /health within {timeout} s")
+            time.sleep(0.2)
+
     def wait_ready(self, timeout: float = 600, children: list[Child] | None = None) -> None:
         r = redis_client(self.url, settings=self.settings)
         pending = list(children or self.children)
@@ -127,7 +151,7 @@ class Stack:
         return code
 
     def stop(self) -> None:
-        for role in ("gpu", "cpu"):
+        for role in ("http", "gpu", "cpu"):  # the front door closes first
             group = [c for c in self.children if c.role == role]
             for child in group:
                 if child.proc.poll() is None:

@@ -400,6 +400,11 @@ def test_flower_shows_generate_and_postprocess_tasks(client, settings, stack, tm
         assert "maximum context length" in task["exception"] and "context_length_exceeded" in task["exception"]
         stats = json.loads(_get(f"{base}/api/tasks?state=FAILURE") or "{}")
         assert any(job in (t.get("args") or "") for t in stats.values())
+        # Flower's Broker view works with pagedq's transport: backlog per queue.
+        queues = wait_until(lambda: json.loads(_get(f"{base}/api/queues/length") or "{}").get("active_queues"),
+                            30, 0.5, "Flower's queue lengths")
+        names = {q["name"] for q in queues}
+        assert {"pqt.preprocess", "pqt.results"} <= names and all(q["messages"] >= 0 for q in queues)
     finally:
         flower.send_signal(signal.SIGTERM)
         flower.wait(30)
@@ -526,7 +531,8 @@ def test_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
         done = subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "submit", "Say hi.", "--max-tokens", "4",
                                "--wait", "--timeout", "120"], env=env, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(done.stdout)["usage"]["completion_tokens"] <= 4
+        job, result = done.stdout.split("\n", 1)  # the job id first, then the result
+        assert json.loads(result)["usage"]["completion_tokens"] <= 4 and json.loads(result)["id"].endswith(job)
         running = _leftovers(up.pid, tmp_path / "redis")
         assert len(running) >= 4, running  # up itself, Redis, a GPU and a CPU worker
         password = (tmp_path / "redis" / "password").read_text().strip()

@@ -18,7 +18,7 @@ import redis as redis_py
 from queue_helpers import wait_until
 
 from pagedq.config import Settings
-from pagedq.config.celery_app import celery_config
+from pagedq.config.celery_app import celery_config, make_celery
 from pagedq.pipeline import Client
 from pagedq.pipeline.local.redis_server import RedisServer, find_redis_server
 from pagedq.pipeline.local.stack import Stack, settings_env
@@ -68,8 +68,11 @@ def test_pipeline_with_the_acl_files_users_and_a_producer_confined_to_its_keys(t
             flower_checks_workers(settings, worker_url, tmp_path, stack)
 
             p = redis_client(producer_url)
-            for command in (("FLUSHALL",), ("CONFIG", "SET", "dir", "/tmp"), ("KEYS", "*"), ("DEBUG", "SLEEP", "0")):
+            for command in (("FLUSHALL",), ("KEYS", "*"), ("SHUTDOWN",)):
                 with pytest.raises(redis_py.exceptions.NoPermissionError):
+                    p.execute_command(*command)
+            for command in (("CONFIG", "SET", "dir", "/tmp"), ("DEBUG", "SLEEP", "0")):  # also renamed away
+                with pytest.raises(redis_py.ResponseError, match="permission|unknown command"):
                     p.execute_command(*command)
             with pytest.raises(redis_py.exceptions.NoPermissionError):
                 p.get("other:secret")  # outside the pagedq: prefix
@@ -131,7 +134,11 @@ def test_rediss_urls_verify_certificates_in_kombu_and_redis_py(tmp_path):
 
     assert conf["broker_use_ssl"]["ssl_cert_reqs"] == ssl.CERT_REQUIRED
     assert conf["broker_use_ssl"]["ssl_ca_certs"] == str(ca)
-    assert conf["broker_transport"] == "pagedq.store.transport:Transport", "the hardened transport is kept"
+    from kombu import Connection
+
+    make_celery(settings, settings.broker_url)
+    transport = type(Connection(settings.broker_url, ssl=conf["broker_use_ssl"]).transport)
+    assert transport.__module__ == "pagedq.store.transport", "the hardened transport is kept for rediss://"
     kwargs = redis_client(settings.broker_url, settings=settings).connection_pool.connection_kwargs
     assert kwargs["ssl_cert_reqs"] == "required" and kwargs["ssl_ca_certs"] == str(ca)
 
@@ -141,10 +148,12 @@ def tls_redis_server() -> str | None:
     for candidate in (os.environ.get("REDIS_TLS_SERVER"), shutil.which("redis-server"), find_redis_server()):
         if not candidate:
             continue
-        try:  # a build without TLS refuses the directive at once; one with TLS starts (on no port) and runs
-            subprocess.run([candidate, "--port", "0", "--tls-port", "0", "--save", ""], capture_output=True,
-                           timeout=2)
+        try:  # a build without TLS refuses the directive; one with TLS fails on the missing certificate instead
+            probe = subprocess.run([candidate, "--port", "0", "--tls-port", str(free_port()), "--tls-cert-file",
+                                    "/nonexistent"], capture_output=True, text=True, timeout=5)
         except subprocess.TimeoutExpired:
+            continue
+        if "Bad directive" not in probe.stdout + probe.stderr:
             return candidate
     return None
 

@@ -1,0 +1,60 @@
+"""The gateway's FastAPI app: ``create_app()`` (uvicorn's factory) and the health routes."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
+
+from pagedq.config import Settings, get_settings
+from pagedq.pipeline.gateway import openapi, routes_batches, routes_completions, routes_jobs
+from pagedq.pipeline.gateway.config import GatewayConfig
+from pagedq.pipeline.gateway.errors import RETRY_AFTER_S, ApiError, install_handlers
+from pagedq.pipeline.gateway.keys import KeyRing
+from pagedq.pipeline.gateway.openapi import errors
+from pagedq.pipeline.gateway.shapes import Health
+from pagedq.pipeline.gateway.state import Gateway, gateway
+
+
+def create_app(settings: Settings | None = None, broker_url: str | None = None,
+               config: GatewayConfig | None = None, keyring: KeyRing | None = None) -> FastAPI:
+    """The app for a deployment: ``settings`` and ``config`` default to the environment (``PAGEDQ_*``, and what
+    ``pagedq serve`` handed over); the keyring to the config's keys file (none: every request is the one anonymous
+    tenant)."""
+    config = config or GatewayConfig.from_env()
+    if keyring is None and config.api_keys_file is not None:
+        keyring = KeyRing.load(config.api_keys_file)
+    gw = Gateway(settings or get_settings(), broker_url, config, keyring)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        gw.close()
+
+    app = FastAPI(title="pagedq", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible HTTP API in front of pagedq's queue (docs/http.md)")
+    app.state.gateway = gw
+    install_handlers(app)
+    for module in (routes_completions, routes_jobs, routes_batches):
+        app.include_router(module.router)
+    app.add_api_route("/health", health, methods=["GET"], response_model=Health, responses=errors(503))
+    app.add_api_route("/ready", ready, methods=["GET"], response_model=Health, responses=errors(503))
+    openapi.install(app)
+    return app
+
+
+async def health(request: Request) -> dict:
+    """The gateway is up and reaches Redis."""
+    await gateway(request).aredis().ping()
+    return Health(redis="ok").model_dump()
+
+
+async def ready(request: Request) -> dict:
+    """A GPU worker serves the default model."""
+    gw = gateway(request)
+    workers = await run_in_threadpool(gw.ready_workers)
+    if gw.settings.model not in workers:
+        raise ApiError(503, f"No ready GPU worker serves the default model {gw.settings.model!r}.", None,
+                       "service_unavailable", RETRY_AFTER_S)
+    return Health(redis="ok", workers=workers).model_dump()

@@ -1,0 +1,113 @@
+"""API keys and the tenants they stand for.
+
+The keys file (``PAGEDQ_API_KEYS_FILE``, JSON or TOML) holds only the SHA-256
+of each key, never the key itself::
+
+    {"keys": [{"sha256": "<hex of sha256(key)>", "tenant": "team-a",
+               "max_priority": 7, "rpm": 600, "max_queued": 100}]}
+
+``python -m pagedq.pipeline.gateway.keys <key>`` prints the line for a key.
+Several keys may name the same tenant; a tenant's limits are those of the
+first key that names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request is from, and what it may do."""
+
+    name: str
+    max_priority: int = 9  # the highest job priority (0-9) this tenant may ask for
+    rpm: int | None = None  # requests per minute; None: unlimited
+    max_queued: int | None = None  # jobs waiting or running at once; None: unlimited
+
+
+ANONYMOUS = Tenant("default")  # every request, when the gateway runs without a keys file (loopback only)
+
+
+class _KeyEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
+    tenant: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$")]
+    max_priority: Annotated[int, Field(ge=0, le=9)] = 9
+    rpm: Annotated[int, Field(ge=1)] | None = None
+    max_queued: Annotated[int, Field(ge=1)] | None = None
+
+
+class _KeysFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    keys: list[_KeyEntry]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeysFileError(ValueError):
+    pass
+
+
+class KeyRing:
+    """The tenants of a keys file, found by a request's bearer token."""
+
+    def __init__(self, tenants_by_hash: dict[str, Tenant]) -> None:
+        self._by_hash = tenants_by_hash
+
+    @classmethod
+    def load(cls, path: Path | str) -> KeyRing:
+        path = Path(path)
+        try:
+            text = path.read_text()
+            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+            entries = _KeysFile.model_validate(raw).keys
+        except (OSError, ValueError, tomllib.TOMLDecodeError) as e:
+            detail = e.errors()[0] if isinstance(e, ValidationError) else e
+            raise KeysFileError(f"API keys file {path}: {detail}") from None
+        if not entries:
+            raise KeysFileError(f"API keys file {path}: holds no keys (nobody could use the gateway)")
+        first: dict[str, Tenant] = {}
+        by_hash = {}
+        for entry in entries:
+            tenant = first.setdefault(entry.tenant, Tenant(entry.tenant, entry.max_priority, entry.rpm,
+                                                           entry.max_queued))
+            by_hash[entry.sha256.lower()] = tenant
+        return cls(by_hash)
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def tenant_for(self, authorization: str | None) -> Tenant | None:
+        """The tenant of an ``Authorization: Bearer <key>`` header, or None."""
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        return self._by_hash.get(hash_key(key.strip()))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m pagedq.pipeline.gateway.keys <api-key>", file=sys.stderr)
+        return 2
+    print(json.dumps({"sha256": hash_key(argv[0]), "tenant": "CHANGE-ME", "max_priority": 9, "rpm": 600,
+                      "max_queued": 100}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

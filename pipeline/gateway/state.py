@@ -1,0 +1,150 @@
+"""What every route needs, built once per gateway process: the producer, Redis, the stores, the keys.
+
+Nothing here is per request or per tenant: all of that lives in Redis, so
+gateway processes are interchangeable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+import redis
+import redis.asyncio as aredis
+from fastapi import Depends, Request
+
+from pagedq.config import Settings
+from pagedq.config.names import JobState
+from pagedq.pipeline.client import Client, JobNotFoundError, JobStatus
+from pagedq.pipeline.gateway.batches import BatchStore
+from pagedq.pipeline.gateway.config import GatewayConfig, GatewayKeys
+from pagedq.pipeline.gateway.errors import ApiError
+from pagedq.pipeline.gateway.files import FileStore
+from pagedq.pipeline.gateway.keys import ANONYMOUS, KeyRing, Tenant
+from pagedq.pipeline.gateway.limits import TenantLimits
+from pagedq.pipeline.protocol import RequestError
+from pagedq.store.connection import broker_url as find_broker_url
+from pagedq.store.connection import tls_options
+from pagedq.store.registry import live_workers
+
+LIVENESS_CACHE_S = 2.0  # how long "a worker serves model M" is believed without looking again
+
+
+class Gateway:
+    def __init__(self, settings: Settings, broker_url: str | None = None, config: GatewayConfig | None = None,
+                 keyring: KeyRing | None = None) -> None:
+        self.config = config or GatewayConfig.from_env()
+        self.keyring = keyring
+        self.url = broker_url or find_broker_url(settings)
+        self.client = Client(settings, self.url)
+        self.settings, self.names, self.r = self.client.settings, self.client.names, self.client.r
+        self.keys = GatewayKeys(self.settings.key_prefix)
+        # Bytes replies, for file contents; the same server, password and TLS as the Client's connection.
+        self.raw = redis.Redis.from_url(self.url, health_check_interval=30, **self._connection_options())
+        self.limits = TenantLimits(self.r, self.keys, self.names.job(""))
+        self.files = FileStore(self.r, self.raw, self.keys, self.config.file_ttl_s)
+        self.batches = BatchStore(self.client, self.files, self.limits, self.keys, self.config)
+        self._aredis: aredis.Redis | None = None
+        self._aredis_loop: asyncio.AbstractEventLoop | None = None
+        self._live: dict[str, tuple[float, bool]] = {}
+
+    def close(self) -> None:
+        self.client.close()
+        self.raw.close()
+
+    def _connection_options(self) -> dict:
+        timeout = self.settings.broker_timeout_s + 2  # above the 1 s blocking reads of follow.py
+        return {"socket_timeout": timeout, "socket_connect_timeout": timeout,
+                **tls_options(self.url, self.settings)}
+
+    def aredis(self) -> aredis.Redis:
+        """An asyncio Redis client for the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._aredis is None or self._aredis_loop is not loop:
+            self._aredis = aredis.Redis.from_url(self.url, decode_responses=True, health_check_interval=30,
+                                                 **self._connection_options())
+            self._aredis_loop = loop
+        return self._aredis
+
+    # --- who is asking ----------------------------------------------------------------------------------
+    def tenant_for(self, authorization: str | None) -> Tenant:
+        if self.keyring is None:
+            return ANONYMOUS
+        tenant = self.keyring.tenant_for(authorization)
+        if tenant is None:
+            raise ApiError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.", None,
+                           "invalid_api_key")
+        return tenant
+
+    # --- jobs -------------------------------------------------------------------------------------------
+    def owned_job(self, job_id: str, tenant: Tenant) -> tuple[JobStatus, dict[str, str]]:
+        """The job's status and record; 404 unless it is the tenant's."""
+        rec = self.client.store.get(job_id)
+        if not rec or rec.get("tenant") != tenant.name:
+            raise ApiError.not_found("job", job_id)
+        return JobStatus.from_record(job_id, rec), rec
+
+    def submit(self, tenant: Tenant, kwargs: dict) -> str:
+        """``Client.submit(**kwargs)`` within the tenant's limits; the job records its tenant."""
+        reservation = self.limits.reserve(tenant, 1)
+        try:
+            job_id = self.client.submit(**kwargs)
+        except BaseException:
+            self.limits.release(tenant, reservation)
+            raise
+        self.client.store.update(job_id, tenant=tenant.name)
+        self.limits.commit(tenant, reservation, [job_id])
+        return job_id
+
+    def request_stream(self, job_id: str) -> None:
+        """Ask the job's GPU worker to publish text deltas (for a job submitted without ``stream``)."""
+        self.r.hset(self.names.job(job_id), "stream", 1)
+        self.client.control.publish("stream", job_id=job_id)
+
+    def cancel_quietly(self, job_id: str) -> None:
+        try:
+            self.client.cancel(job_id)
+        except (JobNotFoundError, redis.RedisError):
+            pass
+
+    def expire_if_due(self, job_id: str, rec: dict[str, str]) -> None:
+        """End a job that is still queued past its deadline (``timeout_s``), as a GPU worker would on taking it.
+
+        Once the deadline has passed no worker admits the job, so ending it here cannot race a start."""
+        expires = rec.get("expires_at")
+        if rec.get("state") == JobState.QUEUED and expires and float(expires) < time.time():
+            error = RequestError("the job was not started before it expired (timeout_s)", code="expired")
+            self.client.store.finish(job_id, JobState.EXPIRED, error=error.to_dict())
+
+    # --- workers ----------------------------------------------------------------------------------------
+    def ready_workers(self) -> dict[str, int]:
+        """Ready GPU workers per model, from their heartbeat records."""
+        counts: dict[str, int] = {}
+        for rec in live_workers(self.r, self.names).values():
+            if rec.get("role") == "gpu" and rec.get("ready") == "1" and rec.get("model"):
+                counts[rec["model"]] = counts.get(rec["model"], 0) + 1
+        return counts
+
+    def serves(self, model: str) -> bool:
+        """Whether a ready GPU worker serves ``model`` (looked up at most every LIVENESS_CACHE_S)."""
+        checked_at, live = self._live.get(model, (0.0, False))
+        if time.monotonic() - checked_at > LIVENESS_CACHE_S:
+            live = model in self.ready_workers()
+            self._live[model] = (time.monotonic(), live)
+        return live
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def current_tenant(request: Request) -> Tenant:
+    """The request's tenant (401 without a valid key), its request counted against the tenant's rate."""
+    gw = gateway(request)
+    tenant = gw.tenant_for(request.headers.get("authorization"))
+    gw.limits.count_request(tenant)
+    return tenant
+
+
+TenantDep = Annotated[Tenant, Depends(current_tenant)]
