@@ -61,7 +61,7 @@ class TaskRouter:
 
 def broker_ssl(settings: Settings) -> dict:
     """kombu's TLS options for a ``rediss://`` broker: the server's certificate is always verified."""
-    options: dict = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    options: dict = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_check_hostname": True}
     for key, value in (("ssl_ca_certs", settings.redis_ca_file), ("ssl_certfile", settings.redis_cert_file),
                        ("ssl_keyfile", settings.redis_key_file)):
         if value is not None:

@@ -77,8 +77,8 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default = all cores")
-    adaptive_threads: bool = Field(True, description="a CPU worker computes with the cores other processes leave "
-                                                     "free (re-planned every 2 s), not all of them")
+    adaptive_threads: bool = Field(True, description="a GPU worker running its engine on the CPU computes with the "
+                                                     "cores other processes leave free (re-planned every 2 s)")
 
     # --- parallelism (one replica over several processes) --------------------
     pipeline_stages: int = Field(1, ge=1, description="processes, each holding a contiguous range of layers")
@@ -161,7 +161,8 @@ class Settings(BaseSettings):
 
 
 # PAGEDQ_* variables read by something other than Settings.
-OTHER_VARIABLES = {"PAGEDQ_CONFIG_FILE", "PAGEDQ_TEST_SEED", "PAGEDQ_API_KEYS_FILE"}
+OTHER_VARIABLES = {"PAGEDQ_CONFIG_FILE", "PAGEDQ_TEST_SEED", "PAGEDQ_API_KEYS_FILE", "PAGEDQ_KERNEL_TEST_DEVICE",
+                   "PAGEDQ_REDIS_PASSWORD"}  # the last: docker compose's, in the shell that runs it
 
 
 def check_environment() -> None:

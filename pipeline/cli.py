@@ -20,7 +20,6 @@ from pathlib import Path
 
 from pagedq.config import Settings
 
-WAIT_TIMEOUT_S = 600.0  # default of every --timeout: how long a command waits for a job
 # Settings a command line flag of the same name overrides (engine and worker commands).
 ENGINE_FLAGS = ("model", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "pipeline_stages", "tensor_parallel", "stage_master")
@@ -187,7 +186,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     body = _body(args)
     with _client(args) as client:
         job_id = client.submit(**body)
-        print(job_id, flush=True)
+        # Waiting: the id goes first, to stderr, so stdout stays the result (JSON) for scripts.
+        print(job_id, file=sys.stderr if args.wait or args.stream else sys.stdout, flush=True)
         if args.stream:
             with _waiting(job_id):
                 for delta in client.stream(job_id, timeout=args.timeout):
@@ -234,11 +234,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise CliError("watch: only without a job id (the deployment view)")
     with _client(args) as client:
         status = client.status(args.job_id)
-    if args.json:
-        print(json.dumps(asdict(status), indent=1))
-        return 0
-    for key, value in _readable(status).items():
-        print(f"{key:18} {json.dumps(value) if isinstance(value, dict) else value}")
+    # JSON either way (scripts pipe it to jq); times as ISO 8601 for people, unix seconds with --json.
+    print(json.dumps(asdict(status) if args.json else _readable(status), indent=1))
     return 0
 
 
@@ -405,8 +402,8 @@ def _worker_options(p: argparse.ArgumentParser) -> None:
 
 
 def _timeout(p: argparse.ArgumentParser, what: str = "the job") -> None:
-    p.add_argument("--timeout", type=float, default=WAIT_TIMEOUT_S,
-                   help=f"seconds to wait for {what} before giving up (default {WAIT_TIMEOUT_S:.0f}; "
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds to wait for {what} before giving up (default: PAGEDQ_WAIT_TIMEOUT_S, 3600; "
                         "the job goes on)")
 
 
@@ -426,7 +423,7 @@ def _client_commands(sub) -> None:
     p.add_argument("--priority", type=int, help="0-9, 9 most urgent (default 5)")
     p.add_argument("--stream", action="store_true", help="print the text to stderr as it is generated, then the "
                                                          "result")
-    p.add_argument("--wait", action="store_true", help="wait and print the result (after the job id)")
+    p.add_argument("--wait", action="store_true", help="wait and print the result on stdout (the job id goes to stderr first)")
     _timeout(p)
     p.set_defaults(func=cmd_submit)
 

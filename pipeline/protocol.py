@@ -178,7 +178,13 @@ def read_batch_file(path) -> list[str]:
     (``surrogateescape``), so the schema refuses just their line, naming the field."""
     with open(path, "rb") as f:
         raw = f.read()
-    return [ln for ln in raw.decode("utf-8", "surrogateescape").splitlines() if ln.strip()]
+    return split_lines(raw)
+
+
+def split_lines(raw: bytes) -> list[str]:
+    """Non-blank JSONL lines: split on newlines only (JSON strings may hold U+2028 and other line breaks)."""
+    text = raw.decode("utf-8", "surrogateescape")
+    return [ln.removesuffix("\r") for ln in text.split("\n") if ln.strip()]
 
 
 def parse_batch_line(line: str) -> tuple[str | None, AnyRequest, str]:

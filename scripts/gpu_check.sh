@@ -30,7 +30,7 @@ unset TRITON_INTERPRET
 # Kernel tests compiled on the GPU (no conftest: the rest of the suite's fixtures are not needed here).
 xdist=""
 "$PY" -c 'import xdist' 2>/dev/null && xdist="-n 8"
-PAGEDQ_KERNEL_TEST_DEVICE=cuda timeout 200 "$PY" -m pytest tests/test_kernels.py -q --noconftest \
+PAGEDQ_KERNEL_TEST_DEVICE=cuda timeout 200 "$PY" -m pytest tests/engine/test_kernels.py -q --noconftest \
   -p no:cacheprovider $xdist 2>&1 | tee "$OUT/pytest_cuda.log"
 tests_rc=${PIPESTATUS[0]}
 

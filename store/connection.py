@@ -33,7 +33,7 @@ def tls_options(url: str, settings: Settings | None) -> dict:
     ``PAGEDQ_REDIS_CA_FILE`` (else the system's CAs), with a client certificate when one is configured."""
     if not url.startswith("rediss://"):
         return {}
-    options: dict = {"ssl_cert_reqs": "required"}
+    options: dict = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
     if settings is not None:
         for key, value in (("ssl_ca_certs", settings.redis_ca_file), ("ssl_certfile", settings.redis_cert_file),
                            ("ssl_keyfile", settings.redis_key_file)):

@@ -28,26 +28,32 @@ from pagedq.config.settings import Settings
 
 MAX_AGE_S = 300
 KEY_FILE = "control.key"
+MIN_KEY_BYTES = 32
 
 
 def control_secret(settings: Settings) -> bytes:
     if settings.control_secret is not None:
-        return settings.control_secret.get_secret_value().encode()
-    path = Path(settings.state_dir) / KEY_FILE
-    try:
-        return path.read_bytes().strip()
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = secrets.token_hex(32).encode()
-    try:  # O_EXCL: of two processes creating it at once, one writes and both read the same key
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
+        key = settings.control_secret.get_secret_value().encode()
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"control_secret: at least {MIN_KEY_BYTES} characters")
         return key
-    except FileExistsError:
-        time.sleep(0.05)
-        return path.read_bytes().strip()
+    path = Path(settings.state_dir) / KEY_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f"{KEY_FILE}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_hex(32).encode())
+        try:  # link: the key appears whole or not at all; of two processes racing, the first wins for both
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    key = path.read_bytes().strip()
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"control key {path} is shorter than {MIN_KEY_BYTES} bytes: delete it to make a new one")
+    return key
 
 
 def _signature(secret: bytes, fields: dict) -> str:

@@ -32,10 +32,11 @@ local st = redis.call('HGET', KEYS[1], 'state')
 if not st then return 'missing' end
 if st ~= 'queued' and st ~= 'in_progress' then return st end
 local expires = redis.call('HGET', KEYS[1], 'expires_at')
-if st == 'queued' and expires and tonumber(expires) < tonumber(ARGV[1]) then return 'expired' end
+local started = redis.call('HGET', KEYS[1], 'started_at')
+if st == 'queued' and not started and expires and tonumber(expires) < tonumber(ARGV[1]) then return 'expired' end
 if ARGV[2] == '1' then
   if tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') >= tonumber(ARGV[4]) then return 'poison' end
-  if not redis.call('HGET', KEYS[1], 'started_at') then redis.call('HSET', KEYS[1], 'started_at', ARGV[1]) end
+  if not started then redis.call('HSET', KEYS[1], 'started_at', ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'in_progress', 'worker', ARGV[3])
   redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 end
@@ -55,9 +56,11 @@ end
 for i = 1, ncounters do redis.call('INCRBY', KEYS[i], plan.need[i]) end
 for j, fields in ipairs(plan.jobs) do redis.call('HSET', KEYS[ncounters + j], unpack(fields)) end
 if plan.batch ~= cjson.null then
-  local b = ncounters + #plan.jobs
+  local b, ids = ncounters + #plan.jobs, plan.batch_jobs
   redis.call('HSET', KEYS[b + 1], unpack(plan.batch))
-  if #plan.batch_jobs > 0 then redis.call('RPUSH', KEYS[b + 2], unpack(plan.batch_jobs)) end
+  for i = 1, #ids, 1000 do  -- unpack() takes a few thousand values at most
+    redis.call('RPUSH', KEYS[b + 2], unpack(ids, i, math.min(i + 999, #ids)))
+  end
 end
 return 'ok'
 """
@@ -192,6 +195,14 @@ class JobStore:
             keys=[n.job(job_id), n.result(job_id), n.stream(job_id)],
             args=[state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
                   json.dumps(error) if error is not None else "", n.done_channel(job_id)]))
+
+    def expire_if_due(self, job_id: str) -> bool:
+        """End a job never started and past its ``expires_at``, as a worker taking it would; True if it did."""
+        verdict = self.admit(job_id)  # without a worker: only looks
+        if verdict == JobState.EXPIRED:
+            self.settle(job_id, verdict)
+            return True
+        return False
 
     def request_cancel(self, job_id: str) -> str:
         """Mark a queued or running job 'cancelling'. Returns the state it was in ('missing' if unknown)."""

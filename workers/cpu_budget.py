@@ -8,8 +8,9 @@ core that is free.  So the stepping thread re-plans its thread count every
 ``interval_s`` from
 
 - the cores it may run on (CPU affinity, and a cgroup v2 ``cpu.max`` quota);
-- minus the CPU time other processes used over the last interval (from
-  ``/proc/stat``, less this process's own), rounded to whole cores;
+- minus the CPU time other processes used on those CPUs over the last
+  interval (from ``/proc/stat``, less this process's own), rounded to whole
+  cores;
 
 and never fewer than one.  A quiet machine keeps every core.
 """
@@ -34,11 +35,15 @@ def cores_allowed() -> int:
     return max(1, cores)
 
 
-def _machine_busy_ticks() -> int:
-    """Clock ticks all CPUs spent busy (user, nice, system, irq, softirq, steal) since boot."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return user + nice + system + irq + softirq + steal
+def _busy_ticks(cpus: set[int]) -> int:
+    """Clock ticks the CPUs ``cpus`` spent busy (user, nice, system, irq, softirq, steal) since boot."""
+    total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+            total += user + nice + system + irq + softirq + steal
+    return total
 
 
 def _own_ticks() -> int:
@@ -55,11 +60,13 @@ class ThreadBudget:
         self.threads = self.max_threads
         self.last_other: float | None = None  # the other load the current plan was made from
         self.hz = os.sysconf("SC_CLK_TCK")
+        # Only the CPUs this process may run on: other load elsewhere on a big host is not ours to yield to.
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         self._last = self._sample()
 
     def _sample(self) -> tuple[float, int, int] | None:
         try:
-            return time.monotonic(), _machine_busy_ticks(), _own_ticks()
+            return time.monotonic(), _busy_ticks(self.cpus), _own_ticks()
         except (OSError, ValueError, IndexError):
             return None  # no /proc: keep every core
 

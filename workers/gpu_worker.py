@@ -97,7 +97,9 @@ def register_generate(app: Celery, service: EngineService, store: JobStore, name
 
 def conclude(app: Celery, handle: Handle, store: JobStore, names: Names) -> dict:
     job, out = handle.job, handle.output
-    if handle.duplicate:
+    if handle.duplicate:  # a redelivered copy: it ends as the original does, and goes back with it
+        if handle.original is not None and handle.original.requeue:
+            raise Reject("worker shutting down", requeue=True)
         return {"job_id": job.job_id, "skipped": "already running on this worker"}
     if handle.requeue:
         store.requeue(job.job_id, count_attempt=handle.lost)

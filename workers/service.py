@@ -62,6 +62,7 @@ class Handle:
     num_tokens: int = 0
     stream: bool = False
     cancel_requested: bool = False
+    original: Handle | None = None  # for a duplicate: the handle of the copy running here
     requeue: bool = False  # aborted because the worker is shutting down
     lost: bool = False  # ... because a process of its replica died
     duplicate: bool = False  # the job is already running here under another task
@@ -118,7 +119,8 @@ class EngineService:
         with self._lock:
             if job.job_id in self.handles:  # a redelivered copy of a job running here: ends with the original
                 handle.duplicate = True
-                handle.done = self.handles[job.job_id].done
+                handle.original = self.handles[job.job_id]
+                handle.done = handle.original.done
                 return handle
             if self._stopping.is_set():
                 handle.requeue = True
@@ -192,7 +194,11 @@ class EngineService:
             built.set_exception(e)
             return
         built.set_result(self.engine)
-        self._loop()
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - no job may wait on a thread that is gone: hand them all back
+            log.exception("the engine's stepping thread failed")
+            self._replica_lost(ReplicaLostError(f"the stepping thread failed: {type(e).__name__}: {e}"))
 
     def _run_calls(self) -> None:
         while True:
@@ -247,12 +253,19 @@ class EngineService:
             if handle is None:
                 continue
             handle.num_tokens = len(out.output_token_ids)
-            if handle.stream or handle.detokenizer.stop:
-                feed(handle.detokenizer, out, self.engine.engine)
-            if out.finished:
-                handle.output, handle.finished_step = finish(handle.detokenizer, out), step
-            if handle.stream:
-                self._stream_delta(pipe, handle, out.finished)
+            try:
+                if handle.stream or handle.detokenizer.stop:
+                    feed(handle.detokenizer, out, self.engine.engine)
+                if out.finished:
+                    handle.output, handle.finished_step = finish(handle.detokenizer, out), step
+                if handle.stream:
+                    self._stream_delta(pipe, handle, out.finished)
+            except Exception as e:  # noqa: BLE001 - one request's text fails it alone
+                log.exception("detokenizing job %s failed", out.request_id)
+                handle.error = f"detokenizing failed: {type(e).__name__}: {e}"
+                if not out.finished:
+                    self.engine.abort_request(out.request_id)
+                out.finished = True  # released below; its task fails the job with the error
         self.metrics.step(self.engine, outputs)
         self._publish_stats(pipe=pipe)
         try:

@@ -28,7 +28,7 @@ from pagedq.pipeline.gateway.files import FileStore, page_ids
 from pagedq.pipeline.gateway.keys import Tenant
 from pagedq.pipeline.gateway.limits import TenantLimits
 from pagedq.pipeline.gateway.shapes import BatchObject, RequestCounts, list_page
-from pagedq.pipeline.protocol import Text
+from pagedq.pipeline.protocol import Text, split_lines
 
 COMPLETION_WINDOW_S = 24 * 3600
 
@@ -126,7 +126,7 @@ class BatchStore:
             raise ApiError(400, f"input_file_id: file {file_id!r} has purpose {file['purpose']!r}, not 'batch'",
                            "input_file_id", "invalid_request_error")
         # Bytes that are not UTF-8 survive as lone surrogates, so the schema refuses just their line.
-        lines = [ln for ln in content.decode("utf-8", "surrogateescape").splitlines() if ln.strip()]
+        lines = split_lines(content)
         if not lines:
             raise ApiError(400, f"input_file_id: file {file_id!r} holds no requests", "input_file_id",
                            "invalid_request_error")

@@ -23,7 +23,6 @@ from pagedq.pipeline.gateway.errors import ApiError
 from pagedq.pipeline.gateway.files import FileStore
 from pagedq.pipeline.gateway.keys import ANONYMOUS, KeyRing, Tenant
 from pagedq.pipeline.gateway.limits import TenantLimits
-from pagedq.pipeline.protocol import RequestError
 from pagedq.store.connection import broker_url as find_broker_url
 from pagedq.store.connection import tls_options
 from pagedq.store.registry import live_workers
@@ -114,8 +113,7 @@ class Gateway:
         Once the deadline has passed no worker admits the job, so ending it here cannot race a start."""
         expires = rec.get("expires_at")
         if rec.get("state") == JobState.QUEUED and expires and float(expires) < time.time():
-            error = RequestError("the job was not started before it expired (timeout_s)", code="expired")
-            self.client.store.finish(job_id, JobState.EXPIRED, error=error.to_dict())
+            self.client.store.expire_if_due(job_id)  # decided in one script: never a job that has started
 
     # --- workers ----------------------------------------------------------------------------------------
     def ready_workers(self) -> dict[str, int]:

@@ -93,8 +93,8 @@ def test_status_prints_iso_times_and_json(env, client):
     client.store.finish(job, JobState.COMPLETED, result={"ok": True})
     done = pagedq(env, "status", job)
     assert done.returncode == 0
-    fields = dict(line.split(None, 1) for line in done.stdout.splitlines())
-    assert fields["state"] == "completed" and fields["priority"] == "7"
+    fields = json.loads(done.stdout)
+    assert fields["state"] == "completed" and fields["priority"] == 7
     assert fields["created_at"].endswith("+00:00") and "T" in fields["created_at"]
     record = json.loads(pagedq(env, "status", job, "--json").stdout)
     assert record["state"] == "completed" and isinstance(record["created_at"], float)
@@ -104,7 +104,7 @@ def test_status_prints_iso_times_and_json(env, client):
 def test_ctrl_c_while_waiting_prints_the_job_id_and_how_to_follow_it(env, client):
     proc = subprocess.Popen([sys.executable, "-m", "pagedq.pipeline.cli", "submit", "no worker will answer",
                              "--wait"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    job = proc.stdout.readline().strip()  # printed before the wait starts
+    job = proc.stderr.readline().strip()  # printed (to stderr) before the wait starts
     assert len(job) == 32 and client.status(job).state == "queued"
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)

@@ -531,8 +531,9 @@ def test_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
         done = subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "submit", "Say hi.", "--max-tokens", "4",
                                "--wait", "--timeout", "120"], env=env, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stderr[-2000:]
-        job, result = done.stdout.split("\n", 1)  # the job id first, then the result
-        assert json.loads(result)["usage"]["completion_tokens"] <= 4 and json.loads(result)["id"].endswith(job)
+        job = done.stderr.splitlines()[0].strip()  # the job id first (stderr), then the result (stdout, JSON)
+        result = json.loads(done.stdout)
+        assert result["usage"]["completion_tokens"] <= 4 and result["id"].endswith(job)
         running = _leftovers(up.pid, tmp_path / "redis")
         assert len(running) >= 4, running  # up itself, Redis, a GPU and a CPU worker
         password = (tmp_path / "redis" / "password").read_text().strip()

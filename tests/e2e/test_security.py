@@ -141,6 +141,7 @@ def test_rediss_urls_verify_certificates_in_kombu_and_redis_py(tmp_path):
     assert transport.__module__ == "pagedq.store.transport", "the hardened transport is kept for rediss://"
     kwargs = redis_client(settings.broker_url, settings=settings).connection_pool.connection_kwargs
     assert kwargs["ssl_cert_reqs"] == "required" and kwargs["ssl_ca_certs"] == str(ca)
+    assert kwargs["ssl_check_hostname"] is True and conf["broker_use_ssl"]["ssl_check_hostname"] is True
 
 
 def tls_redis_server() -> str | None:

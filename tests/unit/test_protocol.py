@@ -116,3 +116,11 @@ def test_batch_lines_each_fail_alone(tmp_path):
         except RequestError as e:
             errors.append((e.custom_id, e.param))
     assert errors == [(None, "line"), (None, "custom_id"), ("bytes", "prompt")]
+
+
+def test_jsonl_lines_split_on_newlines_only():
+    from pagedq.pipeline.protocol import split_lines
+
+    line = json.dumps({"custom_id": "a", "body": {"prompt": "one\u2028two\u0085three"}}, ensure_ascii=False)
+    lines = split_lines((line + "\r\n\n" + line + "\n").encode())
+    assert lines == [line, line] and json.loads(lines[0])["body"]["prompt"] == "one\u2028two\u0085three"

@@ -107,3 +107,34 @@ def test_forged_control_messages_change_nothing_and_are_logged(redis, names, cap
         assert service.calls == [("cancel", "j1"), ("reload",)]
     finally:
         listener.thread.stop()
+
+
+def test_a_batch_larger_than_luas_unpack_limit_is_written_whole(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60)
+    ids = [f"j{i}" for i in range(9000)]
+    batch = (names.batch("b"), {"state": "in_progress", "total": len(ids), "jobs_key": names.batch_jobs("b")}, ids)
+    store.create([(i, record()) for i in ids], max_queued=10_000, batch=batch)
+    assert redis.lrange(names.batch_jobs("b"), 0, -1) == ids and store.backlog("m") == 9000
+
+
+def test_a_job_that_started_is_not_expired_when_it_comes_back(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60)
+    store.create([("j", {**record(), "expires_at": time.time() + 0.2})], max_queued=10)
+    assert store.admit("j", worker="w1") == "ok"
+    store.requeue("j")  # its worker stopped
+    time.sleep(0.3)  # past its deadline: it had started in time, so it must not expire now
+    assert not store.expire_if_due("j")
+    assert store.admit("j", worker="w2") == "ok"
+    store.create([("k", {**record(), "expires_at": time.time() - 1})], max_queued=10)
+    assert store.expire_if_due("k") and store.state("k") == "expired"
+
+
+def test_an_empty_or_short_control_key_file_is_refused(tmp_path):
+    from pagedq.config import Settings
+
+    settings = Settings(state_dir=tmp_path)
+    key = control.control_secret(settings)
+    assert len(key) >= 32 and control.control_secret(settings) == key  # made once, then read
+    (tmp_path / control.KEY_FILE).write_bytes(b"")
+    with pytest.raises(ValueError, match="shorter than"):
+        control.control_secret(settings)
