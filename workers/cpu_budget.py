@@ -51,6 +51,9 @@ def _own_ticks() -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime of every thread of this process
 
 
+BUSY_CORE_SLACK = 0.25  # others using 0.75 of a core or more take it away from us
+
+
 class ThreadBudget:
     """Call ``plan()`` between engine steps; it returns the thread count to use (it re-plans every interval)."""
 
@@ -80,8 +83,13 @@ class ThreadBudget:
         return max(0.0, ((busy1 - busy0) - (own1 - own0)) / self.hz / (t1 - t0))
 
     def plan(self) -> int:
+        """Fewer threads only after two intervals in a row each saw others busy (a short burst, such as a CPU
+        worker tokenizing a batch, does not count); all of them again as soon as one interval is quiet."""
         other = self.other_load()
         if other is not None:
+            wanted = max(1, min(self.max_threads, self.max_threads - int(other + BUSY_CORE_SLACK)))
+            if wanted >= self.threads or (self.last_other is not None and
+                                          max(1, self.max_threads - int(self.last_other + BUSY_CORE_SLACK)) <= wanted):
+                self.threads = wanted
             self.last_other = other
-            self.threads = max(1, min(self.max_threads, self.max_threads - round(other)))
         return self.threads
