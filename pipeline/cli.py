@@ -186,15 +186,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     body = _body(args)
     with _client(args) as client:
         job_id = client.submit(**body)
-        # Waiting: the id goes first, to stderr, so stdout stays the result (JSON) for scripts.
-        print(job_id, file=sys.stderr if args.wait or args.stream else sys.stdout, flush=True)
-        if args.stream:
-            with _waiting(job_id):
+        with _waiting(job_id):  # from here on, Ctrl-C says how to follow the job
+            # Waiting: the id goes first, to stderr, so stdout stays the result (JSON) for scripts.
+            print(job_id, file=sys.stderr if args.wait or args.stream else sys.stdout, flush=True)
+            if args.stream:
                 for delta in client.stream(job_id, timeout=args.timeout):
                     print(delta, end="", file=sys.stderr, flush=True)
                 print(file=sys.stderr)
-        if args.wait or args.stream:
-            with _waiting(job_id):
+            if args.wait or args.stream:
                 print(json.dumps(client.result(job_id, args.timeout), indent=1))
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,11 +105,18 @@ def test_status_prints_iso_times_and_json(env, client):
 def test_ctrl_c_while_waiting_prints_the_job_id_and_how_to_follow_it(env, client):
     proc = subprocess.Popen([sys.executable, "-m", "pagedq.pipeline.cli", "submit", "no worker will answer",
                              "--wait"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    job = proc.stderr.readline().strip()  # printed (to stderr) before the wait starts
-    assert len(job) == 32 and client.status(job).state == "queued"
+    seen = []
+    for line in proc.stderr:  # the job id is printed (to stderr) before the wait starts
+        seen.append(line)
+        if re.fullmatch(r"[0-9a-f]{32}", line.strip()):
+            break
+    job = seen[-1].strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", job), seen
+    assert client.status(job).state == "queued"
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    out, rest = proc.communicate(timeout=30)
+    err = "".join(seen) + rest
     assert proc.returncode == 130 and "Traceback" not in err
     assert f"pagedq cancel {job}" in err and f"pagedq status {job}" in err
     client.cancel(job)
