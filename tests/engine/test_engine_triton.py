@@ -15,7 +15,7 @@ from pagedq.config import Settings
 from pagedq.workers.llm import LLM
 from pagedq.config.sampling_params import SamplingParams
 eng = LLM(Settings(attention_backend="triton", kv_cache_memory="64MiB", max_num_batched_tokens=32))
-assert eng.model.attention.name == "triton"
+assert eng.executor.runner.model.attention.name == "triton"
 prompts = json.loads(sys.argv[1])
 outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
 print(json.dumps([o.output_token_ids for o in outs]))
