@@ -27,7 +27,7 @@ from pagedq.kernels.attention import TorchPagedAttention, paged_attention
 from pagedq.kernels.metadata import AttentionMetadata
 
 DEVICE = os.environ.get("PAGEDQ_KERNEL_TEST_DEVICE", "cpu")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/engine/ -> the repository
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
