@@ -75,8 +75,10 @@ class ThreadBudget:
 
     def other_load(self) -> float | None:
         """Cores' worth of CPU other processes used since the last call (None until an interval passed)."""
+        if self._last is None or time.monotonic() - self._last[0] < self.interval_s:
+            return None  # checked before reading /proc: plan() runs every engine step
         now = self._sample()
-        if now is None or self._last is None or now[0] - self._last[0] < self.interval_s:
+        if now is None:
             return None
         (t0, busy0, own0), (t1, busy1, own1) = self._last, now
         self._last = now

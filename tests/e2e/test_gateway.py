@@ -23,6 +23,7 @@ import time
 import httpx
 import openai
 import pytest
+import queue_helpers
 import schemathesis
 from hypothesis import HealthCheck, given, strategies
 from hypothesis import settings as hypothesis_settings
@@ -57,13 +58,7 @@ TENANTS = {  # API key -> its keys-file entry
 
 
 def wait_until(predicate, timeout: float = TIMEOUT, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return queue_helpers.wait_until(predicate, timeout, interval, what)
 
 
 @pytest.fixture(scope="module")
