@@ -29,6 +29,7 @@ import ssl
 from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
 
+from pagedq.config.messages import PreprocessJob, to_json
 from pagedq.config.names import (
     GENERATE_TASK,
     KOMBU_PRIORITY_SEP,
@@ -125,3 +126,9 @@ def make_celery(settings: Settings, url: str, main: str = "pagedq") -> Celery:
     app = Celery(main, set_as_current=False)
     app.conf.update(celery_config(settings, url))
     return app
+
+
+def send_preprocess(app: Celery, msg: PreprocessJob, priority: int) -> None:
+    """Send a job's preprocess message: the producer's send, and the lost-job sweep's resend."""
+    app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=broker_priority(priority),
+                  argsrepr=msg.describe(), kwargsrepr="{}")

@@ -96,6 +96,35 @@ class Names:
         """Hash: state, priority, timestamps, attempts, error, ..."""
         return f"{self.key_prefix}job:{job_id}"
 
+    def job_message(self, job_id: str) -> str:
+        """String: the job's preprocess message, kept until the job ends so a lost message can be sent again."""
+        return f"{self.key_prefix}job-message:{job_id}"
+
+    @property
+    def active_jobs(self) -> str:
+        """Sorted set: every accepted job not yet ended, scored by its creation time (see ``store.lost_jobs``)."""
+        return f"{self.key_prefix}active-jobs"
+
+    @property
+    def lost_suspects(self) -> str:
+        """Set: jobs the last sweep found no message for (sent again if the next sweep agrees)."""
+        return f"{self.key_prefix}lost-suspects"
+
+    @property
+    def sweep_lock(self) -> str:
+        """String with a TTL: held by the process sweeping for lost messages now."""
+        return f"{self.key_prefix}lost-sweep-lock"
+
+    @property
+    def unacked(self) -> str:
+        """kombu's hash of messages taken by a consumer and not yet acknowledged (tag -> message)."""
+        return f"{self.key_prefix}unacked"
+
+    @property
+    def broker_list_pattern(self) -> str:
+        """Matches every queue list of this deployment (all queues, all priorities)."""
+        return f"{self.key_prefix}{self.queue_prefix}*"
+
     def result(self, job_id: str) -> str:
         """String: the completion object (JSON), with a TTL."""
         return f"{self.key_prefix}result:{job_id}"

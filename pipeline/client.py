@@ -28,9 +28,9 @@ import redis
 from kombu.exceptions import OperationalError
 
 from pagedq.config import Settings, get_settings
-from pagedq.config.celery_app import make_celery
+from pagedq.config.celery_app import make_celery, send_preprocess
 from pagedq.config.messages import PreprocessJob, check_context, to_json
-from pagedq.config.names import PREPROCESS_TASK, TERMINAL_STATES, JobState, Names, broker_priority
+from pagedq.config.names import TERMINAL_STATES, JobState, Names
 from pagedq.pipeline.postprocess import batch_output_line
 from pagedq.pipeline.protocol import (
     CHAT_URL,
@@ -200,12 +200,14 @@ class Client:
         req = self.validate(url, body)
         job_id = self._new_job_id()
         cache_key, cached = self._cache_lookup(url, req)
-        self.store.create([(job_id, self._job_record(req, timeout_s, **cache_key))], self.settings.max_queued_jobs)
+        msg = self._preprocess_message(job_id, url, req)
+        self.store.create([(job_id, self._job_record(req, timeout_s, **cache_key))], self.settings.max_queued_jobs,
+                          messages={job_id: json.dumps(to_json(msg))})
         if cached is not None:
             self._answer_from_cache(job_id, cached)
             return job_id
         try:
-            self._send(job_id, url, req)
+            self._send(msg, req.priority)
         except BaseException:
             self.store.discard(job_id)  # never sent: no trace of it stays
             raise
@@ -297,11 +299,12 @@ class Client:
             rec["expires_at"] = now() + timeout_s
         return rec
 
-    def _send(self, job_id: str, url: str, req: AnyRequest) -> None:
-        body = req.model_dump(mode="json", exclude_none=True)
-        msg = PreprocessJob(job_id, url, body)
-        self.app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=broker_priority(req.priority),
-                           argsrepr=msg.describe(), kwargsrepr="{}")
+    @staticmethod
+    def _preprocess_message(job_id: str, url: str, req: AnyRequest) -> PreprocessJob:
+        return PreprocessJob(job_id, url, req.model_dump(mode="json", exclude_none=True))
+
+    def _send(self, msg: PreprocessJob, priority: int) -> None:
+        send_preprocess(self.app, msg, priority)
 
     # --- following jobs -------------------------------------------------------
     @_broker_call
@@ -394,17 +397,18 @@ class Client:
         bkey, jobs_key = self.names.batch(batch_id), self.names.batch_jobs(batch_id)
         job_ids = [self._new_job_id() for _ in items]
         lookups = [self._cache_lookup(url, req) if err is None else ({}, None) for _, req, url, err in items]
-        records = []
-        for job_id, (custom_id, req, _url, err), (cache_key, _) in zip(job_ids, items, lookups, strict=True):
+        records, messages = [], {}
+        for job_id, (custom_id, req, url, err), (cache_key, _) in zip(job_ids, items, lookups, strict=True):
             extra = {"batch_id": batch_id, "batch_key": bkey, "custom_id": custom_id or ""}
             if err is not None:
                 records.append((job_id, {"state": JobState.QUEUED.value, "created_at": now(), "attempts": 0,
                                          **extra}))
             else:
                 records.append((job_id, self._job_record(req, timeout_s, **extra, **cache_key)))
+                messages[job_id] = json.dumps(to_json(self._preprocess_message(job_id, url, req)))
         batch = {"state": "in_progress", "total": len(items), "created_at": now(), "jobs_key": jobs_key,
                  "done_channel": self.names.batch_done_channel(batch_id)}
-        self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids))
+        self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids), messages=messages)
         sent = 0
         try:
             for job_id, (_, req, url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
@@ -413,7 +417,7 @@ class Client:
                 elif cached is not None:
                     self._answer_from_cache(job_id, cached)
                 else:
-                    self._send(job_id, url, req)
+                    self._send(self._preprocess_message(job_id, url, req), req.priority)
                 sent += 1
         except BaseException as e:  # every job written ends: those not sent fail with the reason
             error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")

@@ -5,6 +5,8 @@
   chat template, tokenizes, checks the context length against the registered
   model, and sends the job to ``pagedq.generate.<model>`` at the broker
   priority of its pagedq priority.
+- the lost-job sweep (``store.lost_jobs``) in a thread: a job whose message
+  was lost on its way (a worker killed mid-delivery) is sent again.
 - ``postprocess`` (queue ``pagedq.results``), the result consumer:
   detokenizes, applies stop strings, builds the chat / text completion object,
   and publishes result + state in one atomic, once-only step.
@@ -22,7 +24,7 @@ from celery import Celery
 from celery.exceptions import Reject, Retry
 
 from pagedq.config import Settings
-from pagedq.config.celery_app import make_celery
+from pagedq.config.celery_app import make_celery, message_lease_s, send_preprocess
 from pagedq.config.messages import (
     Completion,
     GenerateJob,
@@ -46,6 +48,7 @@ from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
 from pagedq.store.connection import broker_url, redis_client
 from pagedq.store.jobs import JobStore
+from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.store.registry import lookup_model
 from pagedq.store.result_cache import ResultCache
 from pagedq.workers.celery_worker import run_celery_worker
@@ -164,6 +167,21 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
                 "finish_reason": body["choices"][0]["finish_reason"]}
 
 
+def start_sweeping(sweep: LostJobSweep) -> threading.Thread:
+    """Sweep for jobs whose message was lost, every interval, for as long as this process runs."""
+    def loop() -> None:
+        stop = threading.Event()
+        while not stop.wait(sweep.interval_s):
+            try:
+                sweep.sweep()
+            except Exception as e:  # noqa: BLE001 - the broker may be away; the next interval tries again
+                log.warning("lost-job sweep failed: %s: %s", type(e).__name__, e)
+
+    thread = threading.Thread(target=loop, name="lost-job-sweep", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: str = "INFO") -> None:
     url = broker_url(settings)
     r = redis_client(url, settings=settings)
@@ -176,7 +194,11 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
             tokenizers.get(settings.model)
         except Exception as e:  # noqa: BLE001 - other models may still be served
             log.warning("could not load the tokenizer of %s: %s", settings.model, e)
-    register_cpu_tasks(app, settings, r, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names, tokenizers)
+    store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts)
+    register_cpu_tasks(app, settings, r, store, names, tokenizers)
+    sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),
+                         interval_s=message_lease_s(settings), owner=hostname, max_resends=settings.max_attempts)
+    start_sweeping(sweep)
     metrics = task_metrics(settings, hostname)  # off unless PAGEDQ_METRICS_PORT
     # Results first: at equal priority, finishing a job beats starting another.
     run_celery_worker(app, r, names.worker(hostname), {"role": "cpu", **metrics.record_fields()},

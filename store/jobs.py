@@ -43,20 +43,25 @@ end
 return 'ok'
 """
 
-# KEYS: one backlog counter per model, the job hashes, then [batch hash, batch job list] if a batch.
-# ARGV: max queued jobs per model, number of counters, JSON {"need": [jobs per counter], "jobs": [[k, v, ...], ...],
+# KEYS: the active-jobs set, one backlog counter per model, the job hashes, then [batch hash, batch job list].
+# ARGV: max queued jobs per model, number of counters, JSON {"now": time, "need": [jobs per counter],
+#       "jobs": [[k, v, ...], ...], "ids": [job ids], "messages": [[key, message], ...],
 #       "batch": [k, v, ...] or null, "batch_jobs": [job ids]}.
 # All or nothing: nothing is written when a counter would pass the bound (returns that counter's key).
 _CREATE = """
 local max, ncounters = tonumber(ARGV[1]), tonumber(ARGV[2])
 local plan = cjson.decode(ARGV[3])
 for i = 1, ncounters do
-  if tonumber(redis.call('GET', KEYS[i]) or '0') + plan.need[i] > max then return KEYS[i] end
+  if tonumber(redis.call('GET', KEYS[1 + i]) or '0') + plan.need[i] > max then return KEYS[1 + i] end
 end
-for i = 1, ncounters do redis.call('INCRBY', KEYS[i], plan.need[i]) end
-for j, fields in ipairs(plan.jobs) do redis.call('HSET', KEYS[ncounters + j], unpack(fields)) end
+for i = 1, ncounters do redis.call('INCRBY', KEYS[1 + i], plan.need[i]) end
+for j, fields in ipairs(plan.jobs) do
+  redis.call('HSET', KEYS[1 + ncounters + j], unpack(fields))
+  redis.call('ZADD', KEYS[1], plan.now, plan.ids[j])
+end
+for _, kv in ipairs(plan.messages) do redis.call('SET', kv[1], kv[2]) end
 if plan.batch ~= cjson.null then
-  local b, ids = ncounters + #plan.jobs, plan.batch_jobs
+  local b, ids = 1 + ncounters + #plan.jobs, plan.batch_jobs
   redis.call('HSET', KEYS[b + 1], unpack(plan.batch))
   for i = 1, #ids, 1000 do  -- unpack() takes a few thousand values at most
     redis.call('RPUSH', KEYS[b + 2], unpack(ids, i, math.min(i + 999, #ids)))
@@ -65,17 +70,24 @@ end
 return 'ok'
 """
 
-# KEYS: job hash. Removes a job that was never sent (the send failed), with its place in the backlog.
+# KEYS: job hash, its message, the active-jobs set. ARGV: job id.
+# Removes a job that was never sent (the send failed), with its place in the backlog.
 _DISCARD = """
 local backlog = redis.call('HGET', KEYS[1], 'backlog_key')
 if backlog then redis.call('DECR', backlog) end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[2])
 return redis.call('DEL', KEYS[1])
 """
 
+# KEYS: job hash, result, delta stream, message, active-jobs set.
+# ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
 local state, now, ttl = ARGV[1], ARGV[2], ARGV[3]
+redis.call('ZREM', KEYS[5], ARGV[7])
+redis.call('DEL', KEYS[4])
 if ARGV[4] ~= '' then redis.call('SET', KEYS[2], ARGV[4], 'EX', ttl) end
 redis.call('HSET', KEYS[1], 'state', state, state .. '_at', now)
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
@@ -138,8 +150,11 @@ class JobStore:
         self._requeue = client.register_script(_REQUEUE)
 
     def create(self, jobs: list[tuple[str, dict]], max_queued: int,
-               batch: tuple[str, dict, list[str]] | None = None) -> None:
+               batch: tuple[str, dict, list[str]] | None = None, messages: dict[str, str] | None = None) -> None:
         """Write job records ``(job_id, fields)`` and, for a batch, its hash and job list: all, or none.
+
+        Every job joins the active-jobs set until it ends; ``messages`` (job id -> its preprocess message)
+        are kept beside the records so that a message lost on its way can be sent again (``store.lost_jobs``).
 
         A record whose fields name a ``model`` takes a place in that model's backlog until the job ends;
         when a model's backlog would pass ``max_queued``, nothing is written and RequestError
@@ -151,8 +166,10 @@ class JobStore:
                 key = self.names.backlog(fields["model"])
                 fields["backlog_key"] = key
                 counters[key] = counters.get(key, 0) + 1
-        keys = [*counters, *(self.names.job(job_id) for job_id, _ in jobs)]
-        plan = {"need": list(counters.values()), "jobs": [_flat(fields) for _, fields in jobs],
+        keys = [self.names.active_jobs, *counters, *(self.names.job(job_id) for job_id, _ in jobs)]
+        plan = {"now": now(), "need": list(counters.values()), "jobs": [_flat(fields) for _, fields in jobs],
+                "ids": [job_id for job_id, _ in jobs],
+                "messages": [[self.names.job_message(j), m] for j, m in (messages or {}).items()],
                 "batch": None, "batch_jobs": []}
         if batch is not None:
             batch_key, fields, job_ids = batch
@@ -166,7 +183,8 @@ class JobStore:
 
     def discard(self, job_id: str) -> None:
         """Remove a job that was never sent, and its place in the backlog."""
-        self._discard(keys=[self.names.job(job_id)])
+        self._discard(keys=[self.names.job(job_id), self.names.job_message(job_id), self.names.active_jobs],
+                      args=[job_id])
 
     def backlog(self, model: str) -> int:
         """Jobs of ``model`` accepted and not yet ended."""
@@ -192,9 +210,9 @@ class JobStore:
         assert state.is_terminal
         n = self.names
         return bool(self._finish(
-            keys=[n.job(job_id), n.result(job_id), n.stream(job_id)],
+            keys=[n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs],
             args=[state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
-                  json.dumps(error) if error is not None else "", n.done_channel(job_id)]))
+                  json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id]))
 
     def expire_if_due(self, job_id: str) -> bool:
         """End a job never started and past its ``expires_at``, as a worker taking it would; True if it did."""

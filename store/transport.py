@@ -27,10 +27,11 @@ from queue import Empty
 
 from kombu.transport import redis as kombu_redis
 
-from pagedq.config.names import GENERATE_TASK, Names
+from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK, Names
 
 log = logging.getLogger("pagedq.transport")
 
+PAGEDQ_TASKS = (PREPROCESS_TASK, GENERATE_TASK, POSTPROCESS_TASK)
 _MALFORMED = (ValueError, KeyError, TypeError, AttributeError, IndexError)
 
 # KEYS: job. A running job whose message goes back on its queue is queued again.
@@ -43,16 +44,16 @@ return 0
 """
 
 
-def job_id_of(payload: dict) -> str | None:
-    """The job id in a pagedq generate message's body, or None for any other message."""
+def job_id_of(payload: dict, tasks: tuple[str, ...] = PAGEDQ_TASKS) -> str | None:
+    """The job id in the body of a pagedq message of one of ``tasks``, or None for any other message."""
     try:
-        if payload["headers"]["task"] != GENERATE_TASK:
+        if payload["headers"]["task"] not in tasks:
             return None
         body = payload["body"]
         if payload["properties"].get("body_encoding") == "base64":
             body = base64.b64decode(body)
-        args = json.loads(body)[0]
-        return str(args[0]["job_id"])
+        message = json.loads(body)[0][0]
+        return str(message["request_id"] if payload["headers"]["task"] == POSTPROCESS_TASK else message["job_id"])
     except (KeyError, IndexError, TypeError, ValueError):
         return None
 
@@ -74,7 +75,7 @@ class Channel(kombu_redis.Channel):
 
     def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
         super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
-        job_id = job_id_of(payload)
+        job_id = job_id_of(payload, (GENERATE_TASK,))
         if job_id is not None:  # EVAL is not key-prefixed by kombu: the key is given whole
             pipe.eval(_REQUEUE_JOB, 1, Names(key_prefix=self.global_keyprefix).job(job_id), repr(time.time()))
 

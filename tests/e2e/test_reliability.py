@@ -5,13 +5,16 @@ Real redis-server and worker processes; the prefixes ``prl:`` / ``prl.`` on the 
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+import uuid
 
 import pytest
 from queue_helpers import DoneCounter, broker_depth, wait_until
 
 from pagedq.config import Settings
+from pagedq.config.messages import to_json
 from pagedq.pipeline import Client, RequestError
 from pagedq.pipeline.local.stack import Stack
 
@@ -114,10 +117,22 @@ def test_a_job_longer_than_the_visibility_timeout_runs_once_on_a_live_worker(red
         assert int(stats["jobs_received"]) == received + 1, "the generate task was delivered once"
 
 
+def write_without_sending(client: Client, prompt: str, max_tokens: int) -> str:
+    """What a producer killed between writing a job and sending its message leaves behind: a job, no message."""
+    url, body = "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, **GREEDY}
+    req = client.validate(url, {**body, "model": client.settings.model, "priority": 5})
+    job = uuid.uuid4().hex
+    msg = client._preprocess_message(job, url, req)
+    client.store.create([(job, client._job_record(req, None))], 10, messages={job: json.dumps(to_json(msg))})
+    return job
+
+
 def test_killed_gpu_worker_jobs_are_back_on_the_queue_within_the_lease(redis_url, tmp_path):
+    """Also: a job whose message never reached the queue is found by the lost-job sweep and completes."""
     s = settings_for(redis_url, "prk", worker_ttl_s=10, max_num_seqs=8, worker_max_inflight=8)
     with Stack(s, log_dir=tmp_path) as stack, Client(s, stack.url) as client:
         counter = DoneCounter(client.r, client.names)
+        unsent = write_without_sending(client, "A job its producer never sent:", 12)
         jobs = [client.submit(prompt=f"Story number {i}:", max_tokens=160, **GREEDY) for i in range(8)]
         first = next(c for c in stack.children if c.role == "gpu")
         wait_until(lambda: all(int(client.status(j).completion_tokens or 0) > 0 for j in jobs), TIMEOUT,
@@ -140,3 +155,7 @@ def test_killed_gpu_worker_jobs_are_back_on_the_queue_within_the_lease(redis_url
         assert all(r["usage"]["completion_tokens"] == 160 for r in results)
         assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
         assert all(client.status(j).attempts == 2 for j in running)
+        lost = client.result(unsent, timeout=120)
+        assert lost["usage"]["completion_tokens"] == 12 and counter.counts[unsent] == 1
+        assert client.r.hget(client.names.job(unsent), "resent") == "1"
+        assert client.r.zcard(client.names.active_jobs) == 0

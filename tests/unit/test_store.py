@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -11,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 from queue_helpers import wait_until
 
-from pagedq.config.messages import RequestError
-from pagedq.config.names import JobState, Names
+from pagedq.config.messages import PreprocessJob, RequestError, to_json
+from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK, JobState, Names
 from pagedq.store import control
 from pagedq.store.jobs import JobStore
+from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.workers.gpu_worker import ControlListener
 
 
@@ -138,3 +140,73 @@ def test_an_empty_or_short_control_key_file_is_refused(tmp_path):
     (tmp_path / control.KEY_FILE).write_bytes(b"")
     with pytest.raises(ValueError, match="shorter than"):
         control.control_secret(settings)
+
+
+# --- the lost-job sweep ------------------------------------------------------------------------------------
+def envelope(task: str, message: dict) -> str:
+    """A message as kombu stores it on a queue list: JSON, its body base64-encoded JSON [args, kwargs, embed]."""
+    body = base64.b64encode(json.dumps([[message], {}, {}]).encode()).decode()
+    return json.dumps({"body": body, "headers": {"task": task, "id": uuid.uuid4().hex},
+                       "properties": {"body_encoding": "base64", "delivery_tag": uuid.uuid4().hex},
+                       "content-type": "application/json"})
+
+
+def preprocess_message(job_id: str) -> PreprocessJob:
+    return PreprocessJob(job_id, "/v1/completions", {"model": "m", "prompt": f"p {uuid.uuid4().hex}"})
+
+
+def test_a_job_with_no_message_anywhere_is_sent_again_once_two_sweeps_agree(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60)
+    ids = ["queued", "unacked", "generating", "lost"]
+    messages = {j: preprocess_message(j) for j in ids}
+    store.create([(j, record()) for j in ids], max_queued=10,
+                 messages={j: json.dumps(to_json(m)) for j, m in messages.items()})
+    redis.rpush(names.broker_list(names.preprocess_queue, 3), envelope(PREPROCESS_TASK, to_json(messages["queued"])))
+    redis.hset(names.unacked, "tag1", json.dumps([json.loads(envelope(POSTPROCESS_TASK, {"request_id": "unacked"})),
+                                                   "", names.results_queue]))
+    redis.rpush(names.broker_list(names.generate_queue("m")), envelope(GENERATE_TASK, {"job_id": "generating"}))
+    assert store.admit("lost", worker="w1") == "ok"  # it was running when its message was lost
+    sent: list = []
+    sweep = LostJobSweep(store, lambda msg, priority: sent.append((msg, priority)), interval_s=0.2, owner="t")
+    assert sweep.sweep() == []  # too young to suspect
+    time.sleep(0.25)
+    assert sweep.sweep() == [] and redis.smembers(names.lost_suspects) == {"lost"}
+    assert sweep.sweep() == []  # another sweep within the interval does nothing
+    time.sleep(0.25)
+    assert sweep.sweep() == ["lost"]
+    assert sent == [(messages["lost"], 5)]
+    assert store.state("lost") == "queued" and store.get("lost")["resent"] == "1"
+    assert all(store.state(j) == "queued" for j in ids[:3]) and not any("resent" in store.get(j) for j in ids[:3])
+
+
+def test_sweeping_reads_no_message_while_there_are_as_many_as_jobs_and_gives_up_after_max_resends(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60)
+    store.create([("a", record()), ("b", record())], max_queued=10,
+                 messages={j: json.dumps(to_json(preprocess_message(j))) for j in "ab"})
+    redis.rpush(names.broker_list(names.preprocess_queue), "not JSON", "[]")  # two messages, however garbled
+    sent: list = []
+    sweep = LostJobSweep(store, lambda msg, priority: sent.append(msg.job_id), interval_s=0.1, owner="t",
+                         max_resends=1)
+    for _ in range(3):
+        time.sleep(0.12)
+        assert sweep.sweep() == []
+    redis.delete(names.broker_list(names.preprocess_queue))
+    for _ in range(5):
+        time.sleep(0.12)
+        sweep.sweep()
+    assert sorted(sent) == ["a", "b"]  # once each: the second time they are lost, they fail
+    for j in "ab":
+        job = store.get(j)
+        assert job["state"] == "failed" and json.loads(job["error"])["code"] == "lost"
+        assert not redis.exists(names.job_message(j))
+    assert redis.zcard(names.active_jobs) == 0 and store.backlog("m") == 0
+
+
+def test_ending_or_discarding_a_job_removes_it_from_the_active_set_with_its_message(redis, names):
+    store = JobStore(redis, names, result_ttl_s=60)
+    store.create([("a", record()), ("b", record())], max_queued=10, messages={"a": "{}", "b": "{}"})
+    assert redis.zrange(names.active_jobs, 0, -1) == ["a", "b"]
+    store.finish("a", JobState.COMPLETED, result={"ok": 1})
+    store.discard("b")
+    assert redis.zcard(names.active_jobs) == 0
+    assert not redis.exists(names.job_message("a")) and not redis.exists(names.job_message("b"))
