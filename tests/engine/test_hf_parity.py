@@ -24,9 +24,11 @@ def assert_identical(outputs: list[list[int]]) -> None:
 
 
 def test_alone():
+    """A fresh sample of ten prompts, each run by itself (all thirty take minutes; the other tests run them all)."""
     engine = fresh_engine()
-    outs = [engine.generate([p], greedy(NEW_TOKENS))[0].output_token_ids for p in sharegpt_prompts()]
-    assert_identical(outs)
+    prompts, expected = sharegpt_prompts(), reference()
+    for i in random.sample(range(len(prompts)), 10):
+        assert engine.generate([prompts[i]], greedy(NEW_TOKENS))[0].output_token_ids == expected[i], f"prompt {i}"
 
 
 def test_all_together():
