@@ -2,6 +2,7 @@
 
     python scripts/bench_contention.py                    # 200 ShareGPT requests: quiet, then busy
     python scripts/bench_contention.py --baseline         # also busy with adaptive threads off (all cores)
+    python scripts/bench_contention.py --quiet-baseline   # also quiet with adaptive threads off (the cost of adapting)
 
 The competitor is one Python busy loop pinned to one core (the last one this
 process may use).  A GPU worker on the CPU computes with the cores other
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-output-len", type=int, default=128)
     ap.add_argument("--baseline", action="store_true", help="also run busy with adaptive threads off")
+    ap.add_argument("--quiet-baseline", action="store_true", help="also run quiet with adaptive threads off")
     args = ap.parse_args()
 
     settings = Settings()
@@ -60,6 +62,8 @@ def main() -> None:
         gc.collect()
 
     run("quiet", settings)
+    if args.quiet_baseline:
+        run("quiet, adaptive threads off", settings.model_copy(update={"adaptive_threads": False}))
     with busy_loop(core):
         run("one busy loop beside it", settings)
     if args.baseline:
@@ -73,6 +77,9 @@ def main() -> None:
     quiet = runs[0][1].output_tps
     for name, r in runs[1:]:
         print(f"{name}: {r.output_tps / quiet:.1%} of quiet output tok/s")
+    if args.quiet_baseline:
+        off = runs[1][1].output_tps
+        print(f"quiet with adaptive threads vs without: {quiet / off:.1%}")
 
 
 if __name__ == "__main__":
