@@ -15,7 +15,7 @@ def check(row: chaos.Row, min_completed: int) -> None:
 
 
 def test_kill_gpu_worker():
-    row = chaos.gpu_kill(jobs=8, tokens=96)
+    row = chaos.gpu_kill(jobs=8, tokens=64)
     check(row, 8)
     assert row.recover_s is not None and row.recover_s <= 30
 
@@ -47,7 +47,7 @@ def test_redis_paused():
     assert "BrokerUnavailable after" in row.notes[0]
 
 
-@pytest.mark.parametrize("bad", [300])
+@pytest.mark.parametrize("bad", [200])
 def test_generated_bad_requests_and_garbage(bad):
     row = chaos.garbage(bad=bad, good=10)
     check(row, 10)
@@ -55,4 +55,4 @@ def test_generated_bad_requests_and_garbage(bad):
 
 
 def test_backlog_of_short_jobs():
-    check(chaos.backlog(jobs=300), 300)
+    check(chaos.backlog(jobs=200), 200)

@@ -6,7 +6,7 @@ import functools
 import random
 
 import pytest
-from engine_fixtures import fresh_engine, greedy, hf_greedy, sharegpt_prompts
+from engine_fixtures import NUM_PROMPTS, fresh_engine, greedy, hf_greedy, sharegpt_prompts
 
 NEW_TOKENS = 48
 
@@ -18,13 +18,13 @@ def reference() -> list[list[int]]:
 
 def assert_identical(outputs: list[list[int]]) -> None:
     expected = reference()
-    assert len(outputs) == len(expected) == 30
+    assert len(outputs) == len(expected) == NUM_PROMPTS
     mismatched = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
     assert not mismatched, f"prompts {mismatched} differ from HF, e.g. {outputs[mismatched[0]]} vs {expected[mismatched[0]]}"
 
 
 def test_alone():
-    """A fresh sample of ten prompts, each run by itself (all thirty take minutes; the other tests run them all)."""
+    """A fresh sample of ten prompts, each run by itself (all of them take minutes; the other tests run them all)."""
     engine = fresh_engine()
     prompts, expected = sharegpt_prompts(), reference()
     for i in random.sample(range(len(prompts)), 10):

@@ -1,6 +1,6 @@
 """One model replica over several processes: pipeline stages and tensor parallelism (CPU, gloo).
 
-Parity checks use the real model (all 30 layers) on 30 ShareGPT prompts x 48
+Parity checks use the real model (all 30 layers) on 20 ShareGPT prompts x 48
 greedy tokens against the one-process engine.  Each replica is spawned once
 per module and reused by the checks that fit it.  The queue checks run real
 Celery workers on the session's redis-server; stage processes there are
@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from engine_fixtures import NUM_PROMPTS, fresh_engine, greedy, settings, sharegpt_prompts
 from engine_fixtures import engine as cached_engine
-from engine_fixtures import fresh_engine, greedy, settings, sharegpt_prompts
-from queue_helpers import DoneCounter
 
 from pagedq.config import Settings
 from pagedq.config.sampling_params import SamplingParams
-from pagedq.workers.gpu_worker import EXIT_REPLICA_LOST
 from pagedq.workers.llm import LLM
 from pagedq.workers.processes import free_port
 
@@ -57,7 +53,7 @@ def two_stages():
 def assert_token_identical(outputs) -> None:
     expected = [o.output_token_ids for o in reference()]
     got = [o.output_token_ids for o in outputs]
-    assert len(got) == len(expected) == 30
+    assert len(got) == len(expected) == NUM_PROMPTS
     differ = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
     assert not differ, f"prompts {differ} differ from one process, e.g. {got[differ[0]]} vs {expected[differ[0]]}"
 
@@ -265,44 +261,3 @@ def test_separately_started_stages_serve_queue_jobs(queue_settings, tmp_path):
         if stage.poll() is None:
             stage.kill()
             stage.wait()
-
-
-def test_killed_stage_every_job_completes_exactly_once(queue_settings, tmp_path):
-    """Kill a stage mid-run: the worker requeues its jobs and stops; a restarted replica finishes them."""
-    import psutil
-
-    from pagedq.pipeline import Client
-    from pagedq.pipeline.local.stack import Stack
-
-    n = 12
-    expected = queue_reference(n)
-    stages = {"PAGEDQ_PIPELINE_STAGES": "2"}
-    with Stack(queue_settings, gpu_workers=0, cpu_workers=1, log_dir=tmp_path) as stack, \
-            Client(queue_settings, stack.url) as client:
-        counter = DoneCounter(client.r, client.names)
-        first = stack.add_worker("gpu", stages)
-        stack.wait_ready(TIMEOUT, [first])
-        jobs = submit_all(client, n)
-        deadline = time.monotonic() + TIMEOUT
-        while not any(int(client.status(j).completion_tokens or 0) > 8 for j in jobs):
-            assert time.monotonic() < deadline, "no job started"
-            time.sleep(0.1)
-        [stage] = [p for p in psutil.Process(first.proc.pid).children() if any("stage" in part for part in p.cmdline())]
-        os.kill(stage.pid, signal.SIGKILL)
-        # The replica is gone: the worker stops taking work and exits non-zero, for its supervisor to see.
-        assert first.proc.wait(timeout=120) == EXIT_REPLICA_LOST
-        stack.children.remove(first)
-        unfinished = [j for j in jobs if not client.status(j).done]
-        assert unfinished, "the kill came too late to matter"
-        assert all(client.status(j).state == "queued" for j in unfinished), "in-flight jobs go back to the queue"
-
-        second = stack.add_worker("gpu", stages)  # the restarted replica
-        stack.wait_ready(TIMEOUT, [second])
-        tokenizer = cached_engine().tokenizer
-        for job, tokens in zip(jobs, expected, strict=True):
-            result = client.result(job, timeout=TIMEOUT)
-            assert result["choices"][0]["text"] == expected_text(tokenizer, tokens)
-        time.sleep(1.0)  # let a late duplicate publication show up, if there were one
-        counter.stop()
-        assert {j: counter.counts[j] for j in jobs} == {j: 1 for j in jobs}, "each job published exactly once"
-        assert max(client.status(j).attempts for j in unfinished) >= 2
