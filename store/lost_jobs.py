@@ -64,7 +64,7 @@ class LostJobSweep:
         """One sweep (if no other process swept within the interval); returns the jobs sent again."""
         if not self.r.set(self.names.sweep_lock, self.owner, nx=True, px=int(self.interval_s * 900)):
             return []
-        lists = list(self.r.scan_iter(match=self.names.broker_list_pattern, count=1000))
+        lists = list(self.r.scan_iter(match=self.names.broker_list_pattern, count=1000, _type="list"))
         if self._message_count(lists) >= self.r.zcard(self.names.active_jobs):
             self.r.delete(self.names.lost_suspects)
             return []
