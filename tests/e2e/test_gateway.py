@@ -133,7 +133,17 @@ def job_state(client: Client, job_id: str) -> str:
 
 
 # --- chat and text completions -----------------------------------------------------------------------------
-def test_chat_and_text_completions_match_the_client(gateway, client, settings):
+def offline_results(settings: Settings, bodies: list[tuple[str, dict]], tmp_path) -> list[dict]:
+    """The response bodies ``pagedq run-batch --offline`` gives for (url, body) requests, in order."""
+    lines = [json.dumps({"custom_id": str(i), "url": url, "body": body}) for i, (url, body) in enumerate(bodies)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    env = {**os.environ, **settings_env(settings), "OMP_WAIT_POLICY": "PASSIVE"}
+    subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "run-batch", "--offline", "-i",
+                    str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")], env=env, check=True, timeout=600)
+    return [json.loads(ln)["response"]["body"] for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+
+def test_chat_and_text_completions_match_the_client(gateway, client, settings, tmp_path):
     api = sdk(gateway)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = api.chat.completions.create(model=settings.model, messages=messages, max_tokens=12, temperature=0)
@@ -156,6 +166,12 @@ def test_chat_and_text_completions_match_the_client(gateway, client, settings):
     job = httpx.get(f"{gateway}/v1/jobs/{text.id.removeprefix('cmpl-')}", headers=auth()).json()
     assert (job["state"], job["priority"], job["kind"], job["completion_tokens"]) == ("completed", 9, "text", 12)
     assert text_of(job["result"]) == text.choices[0].text
+
+    offline = offline_results(settings, [
+        ("/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0}),
+        ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, **extras})],
+        tmp_path)
+    assert [text_of(x) for x in offline] == [chat.choices[0].message.content, text.choices[0].text]
 
 
 def test_streaming_deltas_join_to_the_text(gateway, client, settings):

@@ -449,7 +449,7 @@ def test_warm_shutdown_returns_a_running_job_to_the_queue(redis_url, tmp_path: P
     s = Settings(broker_url=redis_url, key_prefix="pqk:", queue_prefix="pqk.", result_cache=False, kv_cache_memory="128MiB",
                  drain_timeout_s=0)
     with Stack(s, log_dir=tmp_path) as stack, Client(s, stack.url) as client:
-        job = client.submit(prompt="A long story:", max_tokens=300, **GREEDY)
+        job = client.submit(prompt="A long story:", max_tokens=120, **GREEDY)
 
         def running_on(child) -> bool:
             st = client.status(job)
@@ -462,7 +462,7 @@ def test_warm_shutdown_returns_a_running_job_to_the_queue(redis_url, tmp_path: P
 
         stack.wait_ready(TIMEOUT, [stack.add_worker("gpu")])
         result = client.result(job, timeout=TIMEOUT)
-        assert result["usage"]["completion_tokens"] == 300
+        assert result["usage"]["completion_tokens"] == 120
         assert client.status(job).attempts == 1, "the orderly shutdown is not an attempt"
 
 

@@ -24,10 +24,10 @@ def assert_identical(outputs: list[list[int]]) -> None:
 
 
 def test_alone():
-    """A fresh sample of ten prompts, each run by itself (all of them take minutes; the other tests run them all)."""
+    """A fresh sample of six prompts, each run by itself (all of them take minutes; the other tests run them all)."""
     engine = fresh_engine()
     prompts, expected = sharegpt_prompts(), reference()
-    for i in random.sample(range(len(prompts)), 10):
+    for i in random.sample(range(len(prompts)), 6):
         assert engine.generate([prompts[i]], greedy(NEW_TOKENS))[0].output_token_ids == expected[i], f"prompt {i}"
 
 
