@@ -397,7 +397,7 @@ class Client:
         bkey, jobs_key = self.names.batch(batch_id), self.names.batch_jobs(batch_id)
         job_ids = [self._new_job_id() for _ in items]
         lookups = [self._cache_lookup(url, req) if err is None else ({}, None) for _, req, url, err in items]
-        records, messages = [], {}
+        records, msgs = [], {}
         for job_id, (custom_id, req, url, err), (cache_key, _) in zip(job_ids, items, lookups, strict=True):
             extra = {"batch_id": batch_id, "batch_key": bkey, "custom_id": custom_id or ""}
             if err is not None:
@@ -405,19 +405,20 @@ class Client:
                                          **extra}))
             else:
                 records.append((job_id, self._job_record(req, timeout_s, **extra, **cache_key)))
-                messages[job_id] = json.dumps(to_json(self._preprocess_message(job_id, url, req)))
+                msgs[job_id] = self._preprocess_message(job_id, url, req)
         batch = {"state": "in_progress", "total": len(items), "created_at": now(), "jobs_key": jobs_key,
                  "done_channel": self.names.batch_done_channel(batch_id)}
-        self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids), messages=messages)
+        self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids),
+                          messages={j: json.dumps(to_json(m)) for j, m in msgs.items()})
         sent = 0
         try:
-            for job_id, (_, req, url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
+            for job_id, (_, req, _url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
                 if err is not None:
                     self.store.finish(job_id, JobState.FAILED, error=err.to_dict())
                 elif cached is not None:
                     self._answer_from_cache(job_id, cached)
                 else:
-                    self._send(self._preprocess_message(job_id, url, req), req.priority)
+                    self._send(msgs[job_id], req.priority)
                 sent += 1
         except BaseException as e:  # every job written ends: those not sent fail with the reason
             error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")
