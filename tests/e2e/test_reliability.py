@@ -151,12 +151,12 @@ def test_killed_gpu_worker_jobs_are_back_on_the_queue_within_the_lease(redis_url
         print(f"{len(running)} running jobs back on the queue {back_after:.1f} s after kill -9 (lease 10 s)")
         assert back_after <= 30
         results = [client.result(j, timeout=600) for j in jobs]
+        lost = client.result(unsent, timeout=120)  # before counter.stop(): its publication must be counted
         time.sleep(1)
         counter.stop()
         assert all(r["usage"]["completion_tokens"] == 96 for r in results)
         assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
         assert all(client.status(j).attempts == 2 for j in running)
-        lost = client.result(unsent, timeout=120)
         assert lost["usage"]["completion_tokens"] == 12 and counter.counts[unsent] == 1
         assert client.r.hget(client.names.job(unsent), "resent") == "1"
         assert client.r.zcard(client.names.active_jobs) == 0
