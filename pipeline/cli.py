@@ -199,20 +199,32 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 class _waiting:
-    """Ctrl-C while waiting for a job: say how to follow or cancel it, exit 130."""
+    """Ctrl-C while waiting for a job: say how to follow or cancel it, exit 130.
+
+    The SIGINT handler exits from the handler itself rather than raising KeyboardInterrupt into whatever redis
+    call is in progress (a half-read reply or a lock taken mid-call could then hang the way out); the job lives
+    in Redis, so there is nothing to clean up.  It is installed even where the shell started us with SIGINT
+    ignored.
+    """
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
 
     def __enter__(self) -> None:
-        return None
+        import signal
 
-    def __exit__(self, kind, value, tb) -> bool:
-        if kind is KeyboardInterrupt:
-            print(f"\ninterrupted; job {self.job_id} goes on. Follow it with `pagedq status {self.job_id}` or "
-                  f"`pagedq result {self.job_id}`; stop it with `pagedq cancel {self.job_id}`", file=sys.stderr)
-            raise SystemExit(130)
+        self._previous = signal.signal(signal.SIGINT, self._interrupted)
+
+    def __exit__(self, *exc) -> bool:
+        import signal
+
+        signal.signal(signal.SIGINT, self._previous)
         return False
+
+    def _interrupted(self, *_) -> None:
+        print(f"\ninterrupted; job {self.job_id} goes on. Follow it with `pagedq status {self.job_id}` or "
+              f"`pagedq result {self.job_id}`; stop it with `pagedq cancel {self.job_id}`", file=sys.stderr, flush=True)
+        os._exit(130)
 
 
 def _iso(ts: float | None) -> str | None:

@@ -63,6 +63,7 @@ class Stack:
         self.env = env or {}
         self.names = Names.from_settings(settings)
         self.children: list[Child] = []
+        self._started = 0  # children ever started: a replacement gets a name (and log file) of its own
         self.url: str | None = None
         self.owns_broker = False  # started the embedded redis-server (and stops it)
         self._exit = ExitStack()
@@ -91,8 +92,12 @@ class Stack:
         has_cpu = any(w.get("role") == "cpu" for w in live)
         return (0 if has_gpu else self.num_gpu), (0 if has_cpu else self.num_cpu)
 
+    def _next_hostname(self, role: str) -> str:
+        self._started += 1
+        return worker_hostname(role, self._started - 1)
+
     def add_worker(self, role: str, extra_env: dict[str, str] | None = None) -> Child:
-        hostname = worker_hostname(role, len(self.children))
+        hostname = self._next_hostname(role)
         verb = "worker" if role == "gpu" else "cpu-worker"
         cmd = [sys.executable, "-m", "pagedq.pipeline.cli", verb, "--hostname", hostname, "--loglevel", self.loglevel]
         if role == "gpu":
@@ -110,7 +115,7 @@ class Stack:
         """The HTTP gateway (``pagedq serve``) on 127.0.0.1:``port``, once its /health answers."""
         import urllib.request
 
-        hostname = worker_hostname("http", len(self.children))
+        hostname = self._next_hostname("http")
         log_path = Path(self.log_dir) / "http.log" if self.log_dir else None
         env = {**settings_env(self.settings), **self.env, "PAGEDQ_BROKER_URL": self.url}
         cmd = [sys.executable, "-m", "pagedq.pipeline.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
