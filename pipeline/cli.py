@@ -73,15 +73,24 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pagedq.workers.gpu_worker import run_worker
 
-    run_worker(_settings(args), args.model, args.hostname, args.loglevel)
-    return 0
+    return _run_worker_process(lambda: run_worker(_settings(args), args.model, args.hostname, args.loglevel))
 
 
 def cmd_cpu_worker(args: argparse.Namespace) -> int:
     from pagedq.pipeline.cpu_worker import run_cpu_worker
 
-    run_cpu_worker(_settings(args), args.hostname, args.loglevel)
-    return 0
+    return _run_worker_process(lambda: run_cpu_worker(_settings(args), args.hostname, args.loglevel))
+
+
+def _run_worker_process(run) -> int:
+    """Run a worker; once it has stopped, end the process at once (see ``exit_process``)."""
+    from pagedq.workers.processes import exit_process
+
+    try:
+        code = run()
+    except SystemExit as e:
+        code = e.code
+    exit_process(code)
 
 
 def _interrupt(*_) -> None:
@@ -129,8 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_stage(args: argparse.Namespace) -> int:
     from pagedq.workers.parallel.stage import serve_stage
 
-    return serve_stage(args.rank, args.stages, args.tensor_parallel, args.master, args.model, args.device,
-                       args.threads)
+    return _run_worker_process(lambda: serve_stage(args.rank, args.stages, args.tensor_parallel, args.master,
+                                                   args.model, args.device, args.threads))
 
 
 def cmd_flower(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from celery import Celery
 from celery.exceptions import Reject, Retry
@@ -167,6 +169,35 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
                 "finish_reason": body["choices"][0]["finish_reason"]}
 
 
+def start_warming(tokenizers: Tokenizers, model: str, is_served: Callable[[str], bool],
+                  wait_s: float = 600) -> threading.Thread:
+    """Load the default model's tokenizer in the background, as soon as a GPU worker serves it.
+
+    Otherwise the first request pays for it (importing transformers alone takes seconds); work is taken
+    meanwhile, and a request that comes first loads it itself (the cache's lock makes it load once).
+    """
+    def warm() -> None:
+        from transformers import AutoTokenizer  # noqa: F401 - the slow part, whichever model comes
+
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                served = is_served(model)
+            except Exception:  # noqa: BLE001 - the broker may be away for now
+                served = False
+            if served:
+                try:
+                    tokenizers.get(model)
+                except Exception as e:  # noqa: BLE001 - other models may still be served
+                    log.warning("could not load the tokenizer of %s: %s", model, e)
+                return
+            time.sleep(1)
+
+    thread = threading.Thread(target=warm, name="tokenizer-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
 def start_sweeping(sweep: LostJobSweep) -> threading.Thread:
     """Sweep for jobs whose message was lost, every interval, for as long as this process runs."""
     def loop() -> None:
@@ -189,11 +220,7 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     hostname = hostname or worker_hostname("cpu")
     app = make_celery(settings, url)
     tokenizers = Tokenizers(settings.state_dir, lambda model: getattr(lookup_model(r, names, model), "path", ""))
-    if lookup_model(r, names, settings.model) is not None:  # load its tokenizer before taking work
-        try:
-            tokenizers.get(settings.model)
-        except Exception as e:  # noqa: BLE001 - other models may still be served
-            log.warning("could not load the tokenizer of %s: %s", settings.model, e)
+    start_warming(tokenizers, settings.model, lambda model: lookup_model(r, names, model) is not None)
     store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts)
     register_cpu_tasks(app, settings, r, store, names, tokenizers)
     sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,25 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float = 30) -> int | None:
         proc.kill()
         proc.wait()
     return proc.returncode
+
+
+def exit_process(code: int | str | None = 0) -> NoReturn:
+    """End a worker process that has stopped cleanly, skipping the interpreter's teardown.
+
+    With torch and transformers loaded, that teardown takes over a second and does nothing a stopped
+    worker needs (its messages are acked or handed back, its engine and stages are shut down).
+    Logs and output are flushed first.
+    """
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

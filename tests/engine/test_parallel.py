@@ -201,7 +201,7 @@ def test_dead_stage_raises_replica_lost():
 
 # --- through the queue ----------------------------------------------------------------------------
 TIMEOUT = 300
-QUEUE_TOKENS = 64
+QUEUE_TOKENS = NEW_TOKENS  # so the one-process reference above serves these checks too
 
 
 @pytest.fixture(scope="module")
@@ -209,11 +209,6 @@ def queue_settings(redis_url) -> Settings:
     return Settings(broker_url=redis_url, key_prefix="pqp:", queue_prefix="pqp.", result_cache=False,
                     kv_cache_memory="256MiB",
                     max_num_seqs=64, max_num_batched_tokens=512, progress_interval_s=0.5, num_threads=THREADS)
-
-
-def queue_reference(n: int) -> list[list[int]]:
-    engine = fresh_engine(num_threads=THREADS)
-    return [o.output_token_ids for o in engine.generate(sharegpt_prompts()[:n], greedy(QUEUE_TOKENS))]
 
 
 def submit_all(client, n: int) -> list[str]:
@@ -236,7 +231,7 @@ def test_separately_started_stages_serve_queue_jobs(queue_settings, tmp_path):
     from pagedq.pipeline.local.stack import Stack, settings_env
 
     n = 8
-    expected = queue_reference(n)
+    expected = [o.output_token_ids for o in reference()[:n]]
     master = f"127.0.0.1:{free_port()}"
     log_path = tmp_path / "stage1.log"
     with open(log_path, "wb") as log:

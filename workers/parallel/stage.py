@@ -144,4 +144,6 @@ def serve_stage(rank: int, stages: int, tensor_parallel: int, master: str, model
 
 
 if __name__ == "__main__":  # a stage spawned by its driver (PipelineExecutor): the spec is one JSON argument
-    sys.exit(serve_stage(**json.loads(sys.argv[1])))
+    from pagedq.workers.processes import exit_process
+
+    exit_process(serve_stage(**json.loads(sys.argv[1])))
