@@ -74,6 +74,12 @@ class Tokenizers:
         self._cache: dict = {}
         self._lock = threading.Lock()
 
+    def import_library(self) -> None:
+        """Import transformers' tokenizer code (seconds), under the lock: two threads importing it at once can
+        fail with ImportError."""
+        with self._lock:
+            from transformers import AutoTokenizer  # noqa: F401
+
     def get(self, model: str):
         with self._lock:
             if model not in self._cache:
@@ -177,8 +183,7 @@ def start_warming(tokenizers: Tokenizers, model: str, is_served: Callable[[str],
     meanwhile, and a request that comes first loads it itself (the cache's lock makes it load once).
     """
     def warm() -> None:
-        from transformers import AutoTokenizer  # noqa: F401 - the slow part, whichever model comes
-
+        tokenizers.import_library()  # the slow part, whichever model comes
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:

@@ -144,17 +144,21 @@ class Deployment:
             time.sleep(0.5)
         time.sleep(1.0)  # the last publications reach the listener
         row.submitted += len(jobs)
+        errors: Counter = Counter()
         for job in jobs:
             status = self.status(job)
             if status.state == "completed":
                 row.completed += 1
             elif status.done and status.error and status.error.get("code") and status.error.get("message"):
                 row.failed += 1
+                errors[status.error["code"]] += 1
             elif status.done and status.state == "cancelled":
                 row.failed += 1
             else:
                 row.lost += 1
             row.twice += self.done.counts[job] > 1
+        if errors:
+            row.notes.append("failed with " + ", ".join(f"{code} x{n}" for code, n in errors.most_common()))
         return row
 
     def _terminal(self, job: str) -> bool:
