@@ -217,9 +217,10 @@ def cpu_kill(jobs: int = 60, tokens: int = 16) -> Row:
         d.wait_for(lambda: sum(d.status(j).done for j in ids) >= 3, DEADLINE_S)
         victim = d.worker("cpu")
         ids += d.submit(jobs - jobs // 2, tokens)
-        done_before = sum(d.status(j).done for j in ids)
         victim.proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
+        victim.proc.wait()
+        done_before = sum(d.status(j).done for j in ids)  # counted once nothing else can end
         d.replace(victim)
         d.wait_until_more_ended(ids, done_before + 1)
         row.recover_s = time.monotonic() - killed
