@@ -121,6 +121,9 @@ class Completion:
     logprobs: list[dict] = field(default_factory=list)  # per token: {"token": [id, lp], "top": [[id, lp], ...]}
     want_logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # The weights that produced every token (the worker's model fingerprint); "" when unknown (a Completion
+    # from an older worker) or when the weights were reloaded while the job ran: such answers are not cached.
+    fingerprint: str = ""
 
     def describe(self) -> str:
         return (f"job={self.request_id} model={self.model} completion_tokens={len(self.output_token_ids)} "

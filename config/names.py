@@ -198,3 +198,13 @@ class Names:
     def control_channel(self) -> str:
         """Pub/sub channel GPU workers listen on for cancel / stream requests."""
         return f"{self.key_prefix}control"
+
+    @property
+    def control_key(self) -> str:
+        """String, no TTL: the deployment's control key when ``PAGEDQ_CONTROL_SECRET`` is unset (see
+        ``store/control.py``): made once by the first process that needs it, read by every other one."""
+        return f"{self.key_prefix}control:key"
+
+    def control_seen(self, nonce: str) -> str:
+        """Set with a TTL: the workers that acted on the control message with this nonce (a replay is ignored)."""
+        return f"{self.key_prefix}control:seen:{nonce}"

@@ -52,8 +52,8 @@ class Settings(BaseSettings):
                             description="embedded Redis data, converted models, logs")
     broker_url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server")
     control_secret: SecretStr | None = Field(
-        None, description="signs cancel/stream/reload messages to workers; unset = a random key generated once in "
-                          "state_dir/control.key (set it on every host of a multi-host deployment)")
+        None, description="signs cancel/stream/reload messages to workers; unset = one random key per deployment, "
+                          "made once and kept in Redis (<key_prefix>control:key)")
     redis_ca_file: Path | None = Field(None, description="CA bundle that signs the Redis server's certificate "
                                        "(rediss:// URLs; default: the system's CAs). Certificates are always verified")
     redis_cert_file: Path | None = Field(None, description="client certificate for rediss:// (mutual TLS)")

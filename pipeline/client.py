@@ -46,10 +46,10 @@ from pagedq.pipeline.protocol import (
 )
 from pagedq.store.connection import BrokerUnavailable, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
-from pagedq.store.control import ControlChannel, control_secret
+from pagedq.store.control import ControlChannel, configured_secret
 from pagedq.store.jobs import JobStore, now
 from pagedq.store.registry import lookup_model
-from pagedq.store.result_cache import ResultCache, is_deterministic
+from pagedq.store.result_cache import ResultCache, is_deterministic, request_digest
 
 _TERMINAL = {s.value for s in TERMINAL_STATES}
 T = TypeVar("T")
@@ -165,7 +165,7 @@ class Client:
         url = broker_url or find_broker_url(self.settings)
         self.r = redis_client(url, self.settings.broker_timeout_s, self.settings)
         self.names = Names.from_settings(self.settings)
-        self.control = ControlChannel(self.r, self.names, control_secret(self.settings))
+        self.control = ControlChannel(self.r, self.names, configured_secret(self.settings))
         self.store = JobStore(self.r, self.names, self.settings.result_ttl_s, self.settings.max_attempts)
         self.app = make_celery(self.settings, url)
         self.cache = ResultCache(self.r, self.names, self.settings.result_cache_ttl_s,
@@ -214,20 +214,23 @@ class Client:
         return job_id
 
     def _cache_lookup(self, url: str, req: AnyRequest) -> tuple[dict, dict | None]:
-        """({"cache_key": key} or {}, the cached response or None) for a request.
+        """(the job record's cache fields, the cached response or None) for a request.
 
-        Only deterministic requests (greedy, or seeded) of a model a worker has registered are
-        cached: the key needs the fingerprint of the weights that worker loaded.
+        A deterministic request (greedy, or seeded) records its digest and the cache's version
+        (``cache_request``, ``cache_version``): postprocess files the answer under the fingerprint of
+        the weights that produced it.  It is looked up (``cache_key``) once a worker has registered the
+        model: the key needs the fingerprint of the weights the model is served with.
         """
         body = req.model_dump(mode="json", exclude_none=True)
         if not (self.settings.result_cache and req.use_result_cache and is_deterministic(body)):
             return {}, None
+        body["max_tokens"] = req.max_tokens or DEFAULT_MAX_TOKENS
+        fields = {"cache_request": request_digest(url, body), "cache_version": self.cache.version(req.model)}
         info = lookup_model(self.r, self.names, req.model)
         if info is None:
-            return {}, None
-        body["max_tokens"] = req.max_tokens or DEFAULT_MAX_TOKENS
-        key = self.cache.key(req.model, info.fingerprint, url, body)
-        return {"cache_key": key}, self.cache.get(key)
+            return fields, None
+        key = self.cache.key(req.model, fields["cache_version"], info.fingerprint, fields["cache_request"])
+        return {**fields, "cache_key": key}, self.cache.get(key)
 
     def _answer_from_cache(self, job_id: str, response: dict) -> None:
         """Complete a job with a cached response: its own id, marked ``cached``; no task is sent."""

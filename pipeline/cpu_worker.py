@@ -45,7 +45,7 @@ from pagedq.config.names import (
     Names,
     broker_priority,
 )
-from pagedq.pipeline.postprocess import build_response
+from pagedq.pipeline.postprocess import build_response, cache_answer
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
 from pagedq.store.connection import broker_url, redis_client
@@ -169,8 +169,8 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
         published = store.finish(c.request_id, JobState.COMPLETED, result=body)
         if not published:
             log.info("job %s: already final or unknown; result not published again", c.request_id)
-        elif c.finish_reason in ("stop", "length") and (key := r.hget(names.job(c.request_id), "cache_key")):
-            cache.put(key, body)  # the producer keyed it: a deterministic request of a registered model
+        else:
+            cache_answer(cache, c, body)
         return {"job_id": c.request_id, "published": published,
                 "finish_reason": body["choices"][0]["finish_reason"]}
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import uuid
 
 from pagedq.config.messages import Completion
+from pagedq.store.result_cache import ResultCache
 
-__all__ = ["Completion", "batch_output_line", "build_response"]
+__all__ = ["Completion", "batch_output_line", "build_response", "cache_answer"]
 
 
 def _token_str(tokenizer, token_id: int) -> str:
@@ -65,6 +66,18 @@ def build_response(c: Completion, tokenizer) -> dict:
                   "total_tokens": c.num_prompt_tokens + completion_tokens,
                   "prompt_tokens_details": {"cached_tokens": c.num_cached_tokens}},
     }
+
+
+def cache_answer(cache: ResultCache, c: Completion, body: dict) -> bool:
+    """File a published answer in the result cache, if its request is cacheable (the producer recorded its
+    digest) and ended on its own, under the fingerprint of the weights that produced it, and only while the
+    model is still served with those weights (``store/result_cache.py``)."""
+    if c.finish_reason not in ("stop", "length"):
+        return False
+    request, version = cache.r.hmget(cache.names.job(c.request_id), "cache_request", "cache_version")
+    if not request:
+        return False
+    return cache.put_answer(c.model, int(version or 0), c.fingerprint, request, body)
 
 
 # HTTP status of an error line, by error code (everything else is the request's fault: 400).

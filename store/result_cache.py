@@ -4,16 +4,27 @@ A request is deterministic when it is greedy (temperature 0) or carries a
 seed: the engine gives the same tokens for it whatever its batch mates.  Its
 entry is keyed by
 
-    <prefix>rcache:<model>:v<version>:<sha256(fingerprint, canonical request)>
+    <prefix>rcache:<model>:v<version>:<sha256(fingerprint, sha256(canonical request))>
 
-- ``fingerprint`` is what the serving GPU worker registered for the model: a
-  hash of the weights it loaded, so other weights under the same name never
-  see old entries.  The request is keyed as sent (messages, not templated
-  text): tokenizer and chat template ship in the model's folder with its
-  weights, and changing only them needs ``pagedq cache invalidate``;
+(``key``, the one function that computes it, for the lookup at submit and the
+insert at postprocess alike.)
+
+- ``fingerprint`` is a hash of the weights that produced the answer.  The
+  lookup uses the one the model's GPU workers registered; the insert uses the
+  one the producing worker put in its Completion, and files the answer only
+  while the registry still names that fingerprint (checked inside the insert
+  script): during a rolling reload an answer from the old weights is never
+  filed where requests for the new ones look.  The request is keyed as sent
+  (messages, not templated text): tokenizer and chat template ship in the
+  model's folder with its weights, and changing only them needs
+  ``pagedq cache invalidate``;
 - ``version`` is a counter per model: ``pagedq cache invalidate --model M``
   increments it and every earlier entry becomes unreachable at once, without
-  a scan (they age out by TTL or by the size bound).
+  a scan (they age out by TTL or by the size bound).  The producer records the
+  version and the request's digest in the job record at submit (``cache_version``,
+  ``cache_request``), whether or not a worker has registered the model yet, so
+  postprocess can key the answer; an invalidation while the job ran files it
+  under the old version, where nobody looks.
 
 Entries have a TTL and the cache has a total size bound, kept by the insert
 script itself: it records each entry's size and evicts the oldest entries
@@ -32,12 +43,13 @@ import redis
 from pagedq.config.names import Names
 from pagedq.config.sampling_params import GREEDY_EPSILON
 
-# KEYS: entry, index (zset key -> insert time), sizes (hash key -> bytes), total (string)
-# ARGV: value, ttl, now, max_bytes
+# KEYS: entry, index (zset key -> insert time), sizes (hash key -> bytes), total (string)[, model's registry hash]
+# ARGV: value, ttl, now, max_bytes[, the fingerprint that produced the value]
 _PUT = """
 local size = string.len(ARGV[1])
 local max = tonumber(ARGV[4])
 if size > max or redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if KEYS[5] and redis.call('HGET', KEYS[5], 'fingerprint') ~= ARGV[5] then return 0 end  -- other weights now
 local function drop(key)
   local s = redis.call('HGET', KEYS[3], key)
   if s then redis.call('DECRBY', KEYS[4], s) end
@@ -75,6 +87,11 @@ def canonical_request(url: str, body: dict) -> str:
     return json.dumps({"url": url, "body": kept}, sort_keys=True, separators=(",", ":"))
 
 
+def request_digest(url: str, body: dict) -> str:
+    """What the job record keeps of a cacheable request (``cache_request``): sha256 of its canonical form."""
+    return hashlib.sha256(canonical_request(url, body).encode()).hexdigest()
+
+
 class ResultCache:
     def __init__(self, client: redis.Redis, names: Names, ttl_s: int, max_bytes: int) -> None:
         self.r = client
@@ -83,19 +100,33 @@ class ResultCache:
         self.max_bytes = max_bytes
         self._put = client.register_script(_PUT)
 
-    def key(self, model: str, fingerprint: str, url: str, body: dict) -> str:
-        version = int(self.r.get(self.names.result_cache_version(model)) or 0)
-        digest = hashlib.sha256(f"{fingerprint}\n{canonical_request(url, body)}".encode()).hexdigest()
+    def version(self, model: str) -> int:
+        return int(self.r.get(self.names.result_cache_version(model)) or 0)
+
+    def key(self, model: str, version: int, fingerprint: str, request: str) -> str:
+        """The entry for ``request`` (a ``request_digest``) answered by weights ``fingerprint``."""
+        digest = hashlib.sha256(f"{fingerprint}\n{request}".encode()).hexdigest()
         return self.names.result_cache_entry(model, version, digest)
 
     def get(self, key: str) -> dict | None:
         raw = self.r.get(key)
         return json.loads(raw) if raw else None
 
-    def put(self, key: str, response: dict) -> bool:
+    def put(self, key: str, response: dict, model: str | None = None, fingerprint: str | None = None) -> bool:
+        """Insert unless present or too big; with ``model``, only while its registry names ``fingerprint``."""
         n = self.names
-        return bool(self._put(keys=[key, n.result_cache_index, n.result_cache_sizes, n.result_cache_bytes],
-                              args=[json.dumps(response), self.ttl_s, repr(time.time()), self.max_bytes]))
+        keys = [key, n.result_cache_index, n.result_cache_sizes, n.result_cache_bytes]
+        args = [json.dumps(response), self.ttl_s, repr(time.time()), self.max_bytes]
+        if model is not None:
+            keys.append(n.model(model))
+            args.append(fingerprint or "")
+        return bool(self._put(keys=keys, args=args))
+
+    def put_answer(self, model: str, version: int, fingerprint: str, request: str, response: dict) -> bool:
+        """File an answer produced by weights ``fingerprint``, if they are the ones ``model`` serves now."""
+        if not fingerprint:  # an old worker's Completion, or weights changed while it ran: unknown provenance
+            return False
+        return self.put(self.key(model, version, fingerprint, request), response, model, fingerprint)
 
     def invalidate(self, model: str) -> int:
         """Make every entry of ``model`` unreachable; returns the new version."""

@@ -13,8 +13,11 @@ these, on any hosts, may consume the same model queue.
   (or this one, restarted) takes it.
 - ``ProgressReporter``: every ``progress_interval_s``, a ``task-progress``
   event (tokens so far) per running task, which Flower shows as the task's
-  PROGRESS state, and the same count in the job record.
-- ``ControlListener``: cancel / stream requests published by clients.
+  PROGRESS state, and the same count in the job record; it also re-checks
+  the running jobs' records, so a cancel whose message this worker missed
+  still lands within an interval.
+- ``ControlListener``: signed cancel / stream / reload requests published by
+  clients, each acted on once (``store/control.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def register_generate(app: Celery, service: EngineService, store: JobStore, name
         if service.metrics.enabled:  # the submit time, for latencies; attempts, for redeliveries
             fields = store.r.hmget(names.job(job.job_id), "created_at", "attempts")
             service.metrics.admitted(job.job_id, *fields)
+        weights = service.engine.fingerprint  # read before the engine can step the job (see conclude)
         try:
             handle = service.submit(job, self.request.id)
         except RequestError as e:
@@ -90,12 +94,18 @@ def register_generate(app: Celery, service: EngineService, store: JobStore, name
         if stream == "1":
             service.enable_stream(job.job_id)
         handle.done.wait()
-        return conclude(self.app, handle, store, names)
+        return conclude(self.app, handle, store, names, weights if service.engine.fingerprint == weights else "")
 
     return generate
 
 
-def conclude(app: Celery, handle: Handle, store: JobStore, names: Names) -> dict:
+def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerprint: str = "") -> dict:
+    """End a job the engine is done with: failed, cancelled, requeued, or its Completion sent to postprocess.
+
+    ``fingerprint``: the weights that computed every one of its tokens (the engine's fingerprint before it
+    was submitted and after it finished were the same), else "" (a reload recomputes running jobs with the
+    new weights: a mixed answer); the result cache files the answer under it.
+    """
     job, out = handle.job, handle.output
     if handle.duplicate:  # a redelivered copy: it ends as the original does, and goes back with it
         if handle.original is not None and handle.original.requeue:
@@ -122,7 +132,8 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names) -> dict
     completion = Completion(
         request_id=job.job_id, kind=job.kind, model=job.model, text=out.text, output_token_ids=out.output_token_ids,
         num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-        num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs)
+        num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs,
+        fingerprint=fingerprint)
     app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority),
                   argsrepr=completion.describe(), kwargsrepr="{}")
     return summary
@@ -150,6 +161,7 @@ class ProgressReporter(threading.Thread):
 
     def report(self, dispatcher) -> None:
         handles = self.service.snapshot()
+        self.recheck_cancels(handles)
         pipe = self.r.pipeline(transaction=False)
         for h in handles:
             if h.num_tokens and self.reported.get(h.task_id) != h.num_tokens:
@@ -163,15 +175,36 @@ class ProgressReporter(threading.Thread):
         live = {h.task_id for h in handles}
         self.reported = {k: v for k, v in self.reported.items() if k in live}
 
+    def recheck_cancels(self, handles: list[Handle]) -> None:
+        """Cancel running jobs whose record says ``cancelling`` (and stream those it marks streamed): a cancel
+        lands even if its control message never reached this worker (published while the listener
+        reconnected, or signed with another key)."""
+        running = [h for h in handles if not h.cancel_requested]
+        if not running:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for h in running:
+            pipe.hmget(self.names.job(h.job.job_id), "state", "stream")
+        for h, (state, stream) in zip(running, pipe.execute(), strict=True):
+            if state == JobState.CANCELLING and self.service.cancel(h.job.job_id):
+                log.info("cancelling %s: its record says cancelling (re-checked)", h.job.job_id)
+            elif stream == "1" and not h.stream:
+                self.service.enable_stream(h.job.job_id)
+
 
 class ControlListener:
     """Signed requests on ``names.control_channel`` (see ``pagedq.store.control``): {"op": "cancel" | "stream",
     "job_id": ...}, or {"op": "reload", "model": ...} (reload the weights; the prefix cache is dropped).
-    Unsigned, forged or stale messages change nothing and are logged."""
+    Unsigned, forged, stale or replayed messages change nothing, are logged and counted (``control_ignored``
+    in the worker's record).  A cancel missed here (the listener reconnecting) still lands: see
+    ``ProgressReporter.recheck_cancels``."""
 
-    def __init__(self, r: redis.Redis, names: Names, secret: bytes, service: EngineService) -> None:
+    def __init__(self, r: redis.Redis, names: Names, secret: bytes | None, service: EngineService,
+                 worker: str | None = None) -> None:
         self.service = service
-        self.secret = secret
+        self.r, self.names = r, names
+        self.worker = worker or getattr(service, "hostname", "")
+        self.receiver = control.ControlReceiver(r, names, control.ControlKey(r, names, secret), self.worker)
         self.pubsub = r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(**{names.control_channel: self.on_message})
         self.thread = None
@@ -182,7 +215,7 @@ class ControlListener:
 
     def on_message(self, message: dict) -> None:
         try:
-            request = control.verify(self.secret, message["data"])
+            request = self.receiver.accept(message["data"])
             op = request["op"]
             if op == "reload":
                 if request["model"] == self.service.engine.model_name:
@@ -194,6 +227,10 @@ class ControlListener:
             job_id = str(request["job_id"])
         except (ValueError, KeyError, TypeError) as e:
             log.error("ignoring a control message (%s): %.200r", e, message.get("data"))
+            self._count_ignored()
+            return
+        except redis.RedisError as e:  # the seen-set is unreachable: acting could act twice; the cancel re-check
+            log.error("ignoring a control message (broker: %s): %.200r", e, message.get("data"))  # still lands
             return
         if op == "cancel":
             self.service.cancel(job_id)
@@ -201,6 +238,13 @@ class ControlListener:
             self.service.enable_stream(job_id)
         else:
             log.error("ignoring a control message with unknown op %r", op)
+
+    def _count_ignored(self) -> None:
+        if self.worker:
+            try:
+                self.r.hincrby(self.names.worker(self.worker), "control_ignored", 1)
+            except redis.RedisError:
+                pass
 
     @staticmethod
     def _on_error(exc, pubsub, thread) -> None:
@@ -235,7 +279,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
     register_generate(app, service, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names)
-    ControlListener(r, names, control.control_secret(settings), service).start()
+    ControlListener(r, names, control.configured_secret(settings), service, hostname).start()
     ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s).start()
     signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
     queue = names.generate_queue(engine.model_name)

@@ -2,19 +2,23 @@
 
 A small random Llama model (SmolLM2's tokenizer, 2 layers) keeps loads and reloads
 fast; it is served from a folder the test can rewrite.  Real redis-server, real
-worker processes; prefixes ``prc:`` / ``prc.``.
+worker processes; prefixes ``prc:`` / ``prc.``.  The control tests that need a
+running worker (a cancel that lands without its message, a replayed reload) use
+this module's stack too (the rest are in test_control.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from queue_helpers import wait_until
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -22,7 +26,9 @@ from pagedq.config import Settings
 from pagedq.config.names import Names
 from pagedq.pipeline import Client
 from pagedq.pipeline.local.stack import settings_env
-from pagedq.store.result_cache import ResultCache
+from pagedq.store import control
+from pagedq.store.registry import ModelInfo, lookup_model, register_model
+from pagedq.store.result_cache import ResultCache, request_digest
 
 TIMEOUT = 120
 GREEDY = {"temperature": 0, "max_tokens": 12}
@@ -165,7 +171,7 @@ def test_cache_stays_within_its_bound_and_never_touches_queue_data(redis):
         redis.hset(names.job(f"job{n}"), mapping={"state": "queued", "priority": 5})
     bound = 50_000
     cache = ResultCache(redis, names, ttl_s=3600, max_bytes=bound)
-    keys = [cache.key("m", "fp", "/v1/completions", {"prompt": f"p{i}"}) for i in range(60)]
+    keys = [cache.key("m", 0, "fp", request_digest("/v1/completions", {"prompt": f"p{i}"})) for i in range(60)]
     for key in keys:
         assert cache.put(key, {"choices": [{"text": "y" * 2000}]})
     live = [k for k in keys if redis.exists(k)]
@@ -175,5 +181,108 @@ def test_cache_stays_within_its_bound_and_never_touches_queue_data(redis):
     assert cache.get(keys[-1]) is not None
     assert [redis.llen(k) for k in queue_lists] == [20, 20, 20]
     assert all(redis.hget(names.job(f"job{n}"), "state") == "queued" for n in range(20))
-    assert not cache.put(cache.key("m", "fp", "/v1/completions", {"prompt": "huge"}), {"t": "z" * (bound + 1)})
+    assert not cache.put(cache.key("m", 0, "fp", request_digest("/v1/completions", {"prompt": "huge"})),
+                         {"t": "z" * (bound + 1)})
     assert redis.info("memory")["maxmemory_policy"] == "noeviction"  # CONFIG is disabled: INFO tells
+
+
+# --- answers filed under the weights that produced them --------------------------------------------------------
+def words(n: int = 4) -> str:
+    return " ".join(random.choice(["queue", "lease", "token", "model", "cache", "redis", "batch", "stream"])
+                    for _ in range(n)) + f" {random.randrange(10**6)}"
+
+
+def entry_key(client: Client, job: str, fingerprint: str) -> str:
+    """The cache entry of a job's request under ``fingerprint`` (what the producer recorded at submit)."""
+    request, version = client.r.hmget(client.names.job(job), "cache_request", "cache_version")
+    assert request, "a deterministic request records its digest"
+    return client.cache.key(client.settings.model, int(version), fingerprint, request)
+
+
+def test_an_answer_from_old_weights_is_never_served_under_new_ones(client, settings):
+    """A rolling reload: another worker of the model has reloaded and registered weights B while this one still
+    serves A.  A's answers are not filed where requests for B look, so none is served as B's."""
+    question = f"Rolling reload: {words()}"
+    before = ask(client, question)
+    served = lookup_model(client.r, client.names, settings.model)
+    assert entry_key(client, before["job"], served.fingerprint) == client.r.hget(
+        client.names.job(before["job"]), "cache_key"), "lookup and insert compute the same key"
+    stored(client, before["job"])
+    reloaded = f"{random.getrandbits(128):032x}"  # weights B, registered by the other worker
+    register_model(client.r, client.names, ModelInfo(**{**served.__dict__, "fingerprint": reloaded}))
+    try:
+        received = jobs_received(client)
+        during = ask(client, question)  # looked up under B: computed by this worker, with A
+        assert not during.get("cached") and text(during) == text(before)
+        again = ask(client, question)
+        assert not again.get("cached"), "A's answer was filed under B's key and served as B's"
+        assert jobs_received(client) == received + 2
+        assert not client.r.exists(entry_key(client, during["job"], reloaded))
+    finally:
+        register_model(client.r, client.names, served)  # the other worker gone: A is served again
+    assert ask(client, question)["cached"], "back on A, A's entry serves again"
+
+
+def test_a_request_sent_before_any_worker_registered_is_cached(client, settings):
+    """No model record at submit (a deployment starting): the answer is still filed, under the fingerprint of
+    the worker that produced it, and the same request is answered from the cache the second time."""
+    served = lookup_model(client.r, client.names, settings.model)
+    client.r.delete(client.names.model(settings.model))  # as before any GPU worker registered it
+    question = f"Before the workers: {words()}"
+    try:
+        job = client.submit([{"role": "user", "content": question}], **GREEDY)
+        assert client.r.hget(client.names.job(job), "cache_key") is None, "nothing to look up under yet"
+    finally:  # the worker registers the model (a reload re-registers it, as a start does)
+        client.control.publish("reload", model=settings.model)
+    first = client.result(job, timeout=TIMEOUT)
+    assert not first.get("cached")
+    fingerprint = lookup_model(client.r, client.names, settings.model).fingerprint
+    assert fingerprint == served.fingerprint
+    wait_until(lambda: client.r.exists(entry_key(client, job, fingerprint)), 10, what="the cache entry")
+    received = jobs_received(client)
+    second = ask(client, question)
+    assert second["cached"] is True and text(second) == text(first)
+    assert jobs_received(client) == received
+
+
+# --- control messages to a running worker ------------------------------------------------------------------------
+def listener_connections(client: Client) -> list[dict]:
+    """The GPU worker's control listener: the one connection subscribed to a channel (Celery's use patterns)."""
+    return [c for c in client.r.client_list(_type="pubsub") if c.get("sub") == "1" and c.get("psub") == "0"]
+
+
+def test_a_cancel_lands_while_the_control_listener_is_disconnected(client, settings):
+    info = lookup_model(client.r, client.names, settings.model)
+    job = client.submit([{"role": "user", "content": words()}], temperature=0, ignore_eos=True,
+                        max_tokens=info.max_model_len - 64, use_result_cache=False)
+    wait_until(lambda: client.status(job).state == "in_progress", TIMEOUT, what="the job running")
+    [listener] = listener_connections(client)
+    client.r.execute_command("CLIENT", "KILL", "ID", listener["id"])
+    # Client.cancel marks the record, then publishes: the message is what a reconnecting listener misses.
+    assert client.store.request_cancel(job) == "in_progress"
+    status = client.wait(job, timeout=30)
+    assert status.state == "cancelled", status
+    assert int(client.r.hget(client.names.job(job), "completion_tokens")) < info.max_model_len - 64
+    wait_until(lambda: len(listener_connections(client)) == 1, 30, what="the listener back")
+
+
+def test_a_replayed_control_message_changes_nothing(client, settings):
+    def registered_at() -> float:
+        return lookup_model(client.r, client.names, settings.model).updated_at
+
+    def ignored() -> int:
+        return int(worker_stats(client).get("control_ignored", 0))
+
+    before, ignored_before = registered_at(), ignored()
+    raw = control.sign(client.control.secret, "reload", model=settings.model)
+    client.r.publish(client.names.control_channel, raw)
+    wait_until(lambda: registered_at() > before, TIMEOUT, what="the reload")
+    once = registered_at()
+    client.r.publish(client.names.control_channel, raw)  # the same signed bytes, within their freshness window
+    client.control.publish("reload", model=settings.model)  # a new message: heard after the replay
+    wait_until(lambda: registered_at() > once, TIMEOUT, what="the second reload")
+    assert ignored() == ignored_before + 1, "the replay was acted on"
+    seen = client.names.control_seen(json.loads(raw)["nonce"])
+    [gpu] = [k for k in client.r.scan_iter(match=client.names.worker_pattern) if client.r.hget(k, "role") == "gpu"]
+    assert client.r.smembers(seen) == {gpu[len(client.names.worker("")):]}
+    assert 0 < client.r.ttl(seen) <= control.SEEN_TTL_S
