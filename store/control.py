@@ -16,9 +16,9 @@ kept in Redis under the deployment's prefix (``names.control_key``), made once
 by the first process that needs it.  That is where every host of the
 deployment finds the same key, and only those allowed to read the deployment's
 keys can read it: the users that can already write its jobs and results (see
-docs/security.md).  Publishers read it at every publish and listeners again
-when a signature fails, so all converge on the stored key if it is ever lost
-and made anew.
+docs/security.md).  Publishers read it again every ``ControlKey.REREAD_S``
+and listeners when a signature fails, so all converge on the stored key if it
+is ever lost and made anew.
 
 A cancel does not depend on its message alone: ``Client.cancel`` first marks the
 job ``cancelling`` in its record, which GPU workers re-check for their running
@@ -135,19 +135,28 @@ return key
 class ControlKey:
     """The deployment's control key: the configured secret, else the one kept in Redis (made if missing)."""
 
+    REREAD_S = 10.0  # a publisher signs with a key read at most this long ago
+
     def __init__(self, client: redis.Redis, names: Names, configured: bytes | None) -> None:
         self.configured = configured
         self.name = names.control_key
         self._get_or_make = client.register_script(_GET_OR_MAKE)
         self._stored: bytes | None = None
+        self._read_at = 0.0
 
     def get(self, refresh: bool = False) -> bytes:
+        """The key; ``refresh`` reads the stored one again (made anew if the broker lost it)."""
         if self.configured is not None:
             return self.configured
         if self._stored is None or refresh:
             key = self._get_or_make(keys=[self.name], args=[secrets.token_hex(32)])
             self._stored = key.encode() if isinstance(key, str) else key
+            self._read_at = time.monotonic()
         return self._stored
+
+    def recent(self) -> bytes:
+        """The key, read again if the last read is older than ``REREAD_S``."""
+        return self.get(refresh=time.monotonic() - self._read_at > self.REREAD_S)
 
 
 class ControlReceiver:
@@ -187,4 +196,4 @@ class ControlChannel:
 
     def publish(self, op: str, **fields) -> int:
         """Send a signed control message; returns how many listeners heard it."""
-        return int(self.r.publish(self.channel, sign(self.key.get(refresh=True), op, **fields)))
+        return int(self.r.publish(self.channel, sign(self.key.recent(), op, **fields)))

@@ -53,6 +53,11 @@ def test_a_key_made_anew_is_adopted_by_listeners(redis, names, tmp_path):
     assert publisher.secret != old
     assert listener.accept(control.sign(publisher.secret, "stream", job_id="j"))["op"] == "stream"
     assert listener.key.get() == publisher.secret
+    made_anew = publisher.secret
+    redis.set(names.control_key, secrets.token_hex(32))  # and again: a publisher signs with a key read recently
+    publisher.key._read_at -= control.ControlKey.REREAD_S
+    publisher.publish("cancel", job_id="j")
+    assert publisher.secret != made_anew and publisher.secret == redis.get(names.control_key).encode()
 
 
 def test_a_replay_is_ignored_and_each_worker_acts_once(redis, names, tmp_path):
