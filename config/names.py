@@ -149,6 +149,13 @@ class Names:
         """List: the batch's job ids in input order."""
         return f"{self.key_prefix}batch:{batch_id}:jobs"
 
+    @property
+    def batches_to_finalize(self) -> str:
+        """Sorted set: batch id -> when its last job ended.  ``finish`` adds a batch as its last job ends (its
+        jobs' records and results then stay, without TTL); a finalizer writes its output, gives those keys
+        their TTL and removes it (``pipeline/gateway/batches.py``)."""
+        return f"{self.key_prefix}batches-to-finalize"
+
     # --- result cache (see result_cache.py) ----------------------------------
     def result_cache_version(self, model: str) -> str:
         """Counter: bumping it makes every earlier cache entry of the model unreachable."""

@@ -107,6 +107,9 @@ class Settings(BaseSettings):
                                 "of writes to a crash; always: none, slower)")
     redis_maxmemory: int = Field(4 << 30, ge=0, description="embedded Redis memory bound (accepts '4GiB'; 0 = "
                                  "none); writes beyond it are refused, never evicted")
+    file_store_share: float = Field(
+        0.5, gt=0, le=1, description="the gateway's files (uploads and batch output) take at most this share "
+                                     "of Redis's maxmemory; beyond it new files are refused (429), never jobs")
     visibility_timeout_s: int = Field(
         3600, ge=1, description="upper bound on a message's lease (see worker_ttl_s): redelivered after this "
                                 "long without its worker renewing it")

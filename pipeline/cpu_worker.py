@@ -7,6 +7,8 @@
   priority of its pagedq priority.
 - the lost-job sweep (``store.lost_jobs``) in a thread: a job whose message
   was lost on its way (a worker killed mid-delivery) is sent again.
+- the batch finalizer in a thread: a batch whose last job ended gets its
+  output files written (``gateway/batches.py``).
 - ``postprocess`` (queue ``pagedq.results``), the result consumer:
   detokenizes, applies stop strings, builds the chat / text completion object,
   and publishes result + state in one atomic, once-only step.
@@ -218,6 +220,18 @@ def start_sweeping(sweep: LostJobSweep) -> threading.Thread:
     return thread
 
 
+def start_finalizing(settings: Settings, r) -> threading.Thread:
+    """Write the output files of each batch soon after its last job ends (``gateway/batches.py``)."""
+    def loop() -> None:
+        from pagedq.pipeline.gateway.batches import BatchFinalizer  # the gateway's code: off the start path
+
+        BatchFinalizer.from_settings(settings, r).run_forever()
+
+    thread = threading.Thread(target=loop, name="batch-finalizer", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: str = "INFO") -> None:
     url = broker_url(settings)
     r = redis_client(url, settings=settings)
@@ -231,6 +245,7 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),
                          interval_s=message_lease_s(settings), owner=hostname, max_resends=settings.max_attempts)
     start_sweeping(sweep)
+    start_finalizing(settings, r)
     metrics = task_metrics(settings, hostname)  # off unless PAGEDQ_METRICS_PORT
     # Results first: at equal priority, finishing a job beats starting another.
     run_celery_worker(app, r, names.worker(hostname), {"role": "cpu", **metrics.record_fields()},

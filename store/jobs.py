@@ -9,8 +9,10 @@ expired_at), attempts, error, and batch fields.  Its lifecycle::
        +-------> cancelling -> cancelled        queued -> expired (not started in time)
 
 ``finish`` is the only way into a terminal state.  In one script it writes the
-result key (TTL ``result_ttl_s``) and the job's state, counts the job into its
-batch, ends its delta stream and publishes on its done channel.  It does
+result key (TTL ``result_ttl_s``; a batch's jobs keep theirs until the batch is
+finalized) and the job's state, counts the job into its batch (queueing the batch
+to be finalized when it was the last), ends its delta stream and publishes on its
+done channel.  It does
 nothing if the job is already terminal, so a redelivered task publishes once.
 
 Batch keys are read from the job hash inside the scripts; that is fine on a
@@ -80,8 +82,11 @@ redis.call('DEL', KEYS[2])
 return redis.call('DEL', KEYS[1])
 """
 
-# KEYS: job hash, result, delta stream, message, active-jobs set.
+# KEYS: job hash, result, delta stream, message, active-jobs set, batches-to-finalize set.
 # ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id.
+# A batch's job keeps its record and result (no TTL) until the batch is finalized: the finalizer gives them
+# their TTL once the batch's output is written (pipeline/gateway/batches.py), so no line is lost to a batch
+# that outlives result_ttl_s or is read late.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
@@ -98,10 +103,11 @@ local batch = redis.call('HGET', KEYS[1], 'batch_key')
 if batch then
   redis.call('HINCRBY', batch, state, 1)
   local done = redis.call('HINCRBY', batch, 'done', 1)
-  if done >= tonumber(redis.call('HGET', batch, 'total')) then
+  redis.call('PERSIST', KEYS[1])
+  redis.call('PERSIST', KEYS[2])
+  if done >= tonumber(redis.call('HGET', batch, 'total') or '0') then
     redis.call('HSET', batch, 'state', 'completed', 'completed_at', now)
-    redis.call('EXPIRE', batch, ttl)
-    redis.call('EXPIRE', redis.call('HGET', batch, 'jobs_key'), ttl)
+    redis.call('ZADD', KEYS[6], now, redis.call('HGET', KEYS[1], 'batch_id') or '')
     redis.call('PUBLISH', redis.call('HGET', batch, 'done_channel'), 'completed')
   end
 end
@@ -210,7 +216,8 @@ class JobStore:
         assert state.is_terminal
         n = self.names
         return bool(self._finish(
-            keys=[n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs],
+            keys=[n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
+                  n.batches_to_finalize],
             args=[state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
                   json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id]))
 

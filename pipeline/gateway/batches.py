@@ -2,35 +2,65 @@
 
 An OpenAI batch is a pagedq batch (the same id) plus a hash of what OpenAI's
 batch object needs and pagedq's does not: tenant, input file, endpoint,
-metadata, and, once every job has ended, the ids of its output and error
-files.  Those files are written the first time the batch is seen done (by
-any gateway process; a second writer writes the same lines under the same
-ids): the output file holds the lines with status 200, the error file the
-others, each in input order.
+metadata, the ids and quotas of its output files and, once finalized, its
+status, counts and output files.
+
+A batch is finalized when its last job ends, not when it is read: ``finish``
+(store/jobs.py) queues it in ``names.batches_to_finalize`` and keeps its jobs'
+records and results until then; a ``BatchFinalizer`` (a thread of every CPU
+worker; a gateway reading a batch that is done but not finalized does the same)
+writes the output file (the lines with status 200) and the error file (the
+others), each in input order, in chunks within the tenant's quota, then gives
+the records their TTL.  One process at a time finalizes a batch (a lock it
+renews); a finalizer that dies leaves the batch queued for the next.  A job
+whose record is gone anyway (a batch from before finalizers) gets an error
+line, and a batch with nothing left reads ``expired`` with its total: never a 500.
+
+The two output files take their places in the tenant's ``max_files`` when the
+batch is created (429 then if there is no room); their bytes count against
+``max_stored_bytes`` as they are written, and lines beyond the room are left
+out, named in the batch's ``errors``.
 
 Status: ``in_progress`` while jobs run (``cancelling`` after a cancel), then
-``completed``, ``cancelled`` (partial output), or ``expired`` when jobs were
-not started within the completion window.
+``finalizing`` while its files are written, then ``completed``, ``cancelled``
+(partial output), or ``expired`` when jobs were not started within the
+completion window.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from typing import Annotated, Literal
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedq.pipeline.client import Client, JobNotFoundError
+from pagedq.config import Settings
+from pagedq.config.names import Names
+from pagedq.pipeline.client import Client, JobNotFoundError, JobStatus
+from pagedq.pipeline.client import _output_line as output_line
 from pagedq.pipeline.gateway.config import GatewayConfig, GatewayKeys
 from pagedq.pipeline.gateway.errors import ApiError
-from pagedq.pipeline.gateway.files import FileStore, page_ids
-from pagedq.pipeline.gateway.keys import Tenant
+from pagedq.pipeline.gateway.files import FileStore, OutputFile, page_ids
+from pagedq.pipeline.gateway.keys import DEFAULT_MAX_FILES, DEFAULT_MAX_STORED_BYTES, Tenant
 from pagedq.pipeline.gateway.limits import TenantLimits
 from pagedq.pipeline.gateway.shapes import BatchObject, RequestCounts, list_page
-from pagedq.pipeline.protocol import Text, split_lines
+from pagedq.pipeline.postprocess import batch_output_line
+from pagedq.pipeline.protocol import RequestError, Text, split_lines
+
+log = logging.getLogger(__name__)
 
 COMPLETION_WINDOW_S = 24 * 3600
+OUTPUT_RESERVATION_S = 7 * 24 * 3600  # the places of a batch's output files are held this long at most
+FINALIZE_INTERVAL_S = 1.0  # how often a finalizer looks for batches that ended
+FINALIZE_LOCK_S = 60  # a finalizer that stops renewing its lock this long is taken as dead
+FINALIZE_CHUNK = 500  # job records read, and output lines written, at once
+ORPHAN_GRACE_S = 60  # a batch ended without a gateway hash may still be getting one for this long
 
 
 class BatchCreate(BaseModel):
@@ -88,24 +118,33 @@ class BatchStore:
         self.limits = limits
         self.keys = keys
         self.config = config
+        self.finalizer = BatchFinalizer(self.r, self.names, keys, files, client.settings.result_ttl_s,
+                                        config.file_ttl_s)
 
     # --- creating -------------------------------------------------------------------------------------
     def create(self, tenant: Tenant, req: BatchCreate) -> dict:
         lines = self._input_lines(tenant, req.input_file_id)
         default = self.client.settings.default_priority
         lines = [prepare_line(line, req.endpoint, tenant.max_priority, default) for line in lines]
-        reservation = self.limits.reserve(tenant, len(lines))
+        outputs = self._reserve_outputs(tenant)
         try:
-            batch_id = self.client.submit_batch(lines, timeout_s=COMPLETION_WINDOW_S)
+            reservation = self.limits.reserve(tenant, len(lines))
+            try:
+                batch_id = self.client.submit_batch(lines, timeout_s=COMPLETION_WINDOW_S)
+            except BaseException:
+                self.limits.release(tenant, reservation)
+                raise
         except BaseException:
-            self.limits.release(tenant, reservation)
+            for file_id in outputs.values():
+                self.files.release(file_id)
             raise
         job_ids = self.r.lrange(self.names.batch_jobs(batch_id), 0, -1)
         now = int(time.time())
         meta = {"tenant": tenant.name, "input_file_id": req.input_file_id, "endpoint": req.endpoint,
                 "completion_window": req.completion_window, "metadata": json.dumps(req.metadata),
-                "created_at": now}
-        pipe = self.r.pipeline(transaction=False)
+                "created_at": now, "total": len(job_ids), **outputs, "quota_bytes": tenant.max_stored_bytes,
+                "quota_files": tenant.max_files, "file_ttl_s": self.config.file_ttl_s}
+        pipe = self.r.pipeline(transaction=True)
         for job_id in job_ids:
             pipe.hset(self.names.job(job_id), "tenant", tenant.name)
         pipe.hset(self.keys.batch(batch_id), mapping=meta)
@@ -114,6 +153,21 @@ class BatchStore:
         pipe.execute()
         self.limits.commit(tenant, reservation, job_ids)
         return self.get(batch_id, tenant)
+
+    def _reserve_outputs(self, tenant: Tenant) -> dict[str, str]:
+        """Take the places of the batch's output and error files in the tenant's ``max_files`` (429 if none)."""
+        suffix = uuid.uuid4().hex[:24]
+        outputs = {"output_file": f"file-output-{suffix}", "error_file": f"file-error-{suffix}"}
+        until = time.time() + OUTPUT_RESERVATION_S
+        for kind, file_id in outputs.items():
+            refusal = self.files.claim(tenant, file_id, 0, until=until)
+            if refusal is not None:
+                if kind == "error_file":
+                    self.files.release(outputs["output_file"])
+                raise ApiError(refusal.error.status, f"{refusal.error} (a batch keeps room for its output and "
+                                                     "error files)", "input_file_id", refusal.error.code,
+                               refusal.error.retry_after)
+        return outputs
 
     def _input_lines(self, tenant: Tenant, file_id: str) -> list[str]:
         try:
@@ -144,47 +198,40 @@ class BatchStore:
         return meta
 
     def get(self, batch_id: str, tenant: Tenant) -> dict:
-        return self._object(batch_id, self._meta(batch_id, tenant), tenant)
+        return self._object(batch_id, self._meta(batch_id, tenant))
 
-    def _object(self, batch_id: str, meta: dict[str, str], tenant: Tenant) -> dict:
-        if "status" not in meta:  # not final yet: ask the queue
-            try:
-                st = self.client.batch_status(batch_id)
-            except JobNotFoundError:  # the queue's record expired before anyone looked
-                meta = {**meta, "status": "expired", "ended_at": meta["created_at"], "total": "0",
-                        "completed": "0", "failed": "0"}
-            else:
-                if st.done:
-                    meta = self._finalize(batch_id, meta, tenant, st.expired, st.completed_at)
-                else:
-                    meta = {**meta, "status": "cancelling" if "cancelling_at" in meta else "in_progress",
-                            **st.request_counts}
+    def _object(self, batch_id: str, meta: dict[str, str]) -> dict:
+        if "status" not in meta:  # not finalized yet: ask the queue
+            meta = self._current(batch_id, meta)
         return _batch_object(batch_id, meta)
 
-    def _finalize(self, batch_id: str, meta: dict[str, str], tenant: Tenant, expired: int,
-                  completed_at: float | None) -> dict[str, str]:
-        """Write the output and error files of a batch whose jobs have all ended; returns the final meta."""
-        lines = self.client.batch_results(batch_id, timeout=10)
-        good = [ln for ln in lines if (ln.get("response") or {}).get("status_code") == 200]
-        bad = [ln for ln in lines if (ln.get("response") or {}).get("status_code") != 200]
-        status = "cancelled" if "cancelling_at" in meta else "expired" if expired else "completed"
-        final = {"status": status, "ended_at": int(completed_at or time.time()), "total": len(lines),
-                 "completed": len(good), "failed": len(bad)}
-        suffix = batch_id.removeprefix("batch_")
-        for kind, chosen in (("output", good), ("error", bad)):
-            if chosen:
-                file_id = f"file-{kind}-{suffix}"
-                content = "".join(json.dumps(ln) + "\n" for ln in chosen).encode()
-                self.files.create(tenant, f"{batch_id}_{kind}.jsonl", "batch_output", content, file_id)
-                final[f"{kind}_file_id"] = file_id
-        self.r.hset(self.keys.batch(batch_id), mapping=final)
-        return {**meta, **{k: str(v) for k, v in final.items()}}
+    def _current(self, batch_id: str, meta: dict[str, str]) -> dict[str, str]:
+        """The meta of a batch not finalized yet: running, or finalized now (here, unless another process is
+        at it), or ``finalizing``."""
+        try:
+            st = self.client.batch_status(batch_id)
+        except JobNotFoundError:  # the queue's hash is gone: finalize with what is left
+            st = None
+        if st is not None and not st.done:
+            return {**meta, "status": "cancelling" if "cancelling_at" in meta else "in_progress",
+                    **st.request_counts}
+        final = self.finalizer.finalize(batch_id)
+        if final is not None and "status" in final:
+            return final
+        counts = st.request_counts if st is not None else {"total": meta.get("total", 0), "completed": 0,
+                                                             "failed": 0}
+        return {**meta, "status": "finalizing", "finalizing_at": int(st.completed_at or time.time()) if st
+                else int(time.time()), **counts}
 
     # --- cancelling and listing -----------------------------------------------------------------------
     def cancel(self, batch_id: str, tenant: Tenant) -> dict:
         """Cancel every job of the batch still waiting or running; the batch ends ``cancelled``."""
         meta = self._meta(batch_id, tenant)
-        if "status" not in meta and not self.client.batch_status(batch_id).done:
+        try:
+            running = "status" not in meta and not self.client.batch_status(batch_id).done
+        except JobNotFoundError:
+            running = False
+        if running:
             self.r.hsetnx(self.keys.batch(batch_id), "cancelling_at", int(time.time()))
             for job_id in self.r.lrange(self.names.batch_jobs(batch_id), 0, -1):
                 try:
@@ -199,10 +246,146 @@ class BatchStore:
         for batch_id in page_ids(self.r, index, after, limit):
             meta = self.r.hgetall(self.keys.batch(batch_id))
             if meta:
-                items.append(self._object(batch_id, meta, tenant))
+                items.append(self._object(batch_id, meta))
             else:
                 self.r.zrem(index, batch_id)  # expired
         return list_page(items[:limit], len(items) > limit)
+
+
+# KEYS: the lock. ARGV: owner token, seconds.  Renews (or with seconds 0, releases) a lock its owner holds.
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then return redis.call('DEL', KEYS[1]) end
+return redis.call('EXPIRE', KEYS[1], ARGV[2])
+"""
+
+
+class BatchFinalizer:
+    """Writes the output files of batches whose jobs have all ended, and then lets their records expire.
+
+    Safe to run in any number of processes: a batch is finalized under its lock, and stays queued in
+    ``names.batches_to_finalize`` until a finalizer has finished with it.
+    """
+
+    def __init__(self, r: redis.Redis, names: Names, keys: GatewayKeys, files: FileStore, result_ttl_s: int,
+                 file_ttl_s: int) -> None:
+        self.r, self.names, self.keys, self.files = r, names, keys, files
+        self.result_ttl_s = result_ttl_s
+        self.file_ttl_s = file_ttl_s  # for batches created before their hash recorded theirs
+        self._renew = r.register_script(_RENEW)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, r: redis.Redis) -> BatchFinalizer:
+        """A finalizer outside the gateway (a CPU worker): ``r`` with decoded replies; it reads no content."""
+        keys = GatewayKeys(settings.key_prefix)
+        files = FileStore(r, r, keys, GatewayConfig().file_ttl_s, settings.file_store_share)
+        return cls(r, Names.from_settings(settings), keys, files, settings.result_ttl_s, files.ttl_s)
+
+    def run_once(self) -> int:
+        """Finalize the batches queued now; returns how many were finalized."""
+        finalized = 0
+        for batch_id, ended_at in self.r.zrange(self.names.batches_to_finalize, 0, 99, withscores=True):
+            # A batch can end before the gateway wrote its hash (every line failed at once): wait for it.
+            if (batch_id and time.time() - ended_at < ORPHAN_GRACE_S
+                    and not self.r.exists(self.keys.batch(batch_id))):
+                continue
+            if self.finalize(batch_id) is not None:
+                finalized += 1
+        return finalized
+
+    def run_forever(self, interval_s: float = FINALIZE_INTERVAL_S, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        while not stop.wait(interval_s):
+            try:
+                self.run_once()
+            except Exception as e:  # noqa: BLE001 - the broker may be away; the next interval tries again
+                log.warning("batch finalizer failed: %s: %s", type(e).__name__, e)
+
+    def finalize(self, batch_id: str) -> dict[str, str] | None:
+        """Write the batch's output files (if the gateway made it and nobody has yet), give its jobs' keys
+        their TTL and take it off the queue.  Returns the gateway batch's meta ({} for a batch of the
+        Python client's), or None while another process is finalizing it."""
+        lock, token = self.keys.finalize_lock(batch_id), uuid.uuid4().hex
+        if not self.r.set(lock, token, nx=True, ex=FINALIZE_LOCK_S):
+            return None
+        try:
+            meta = self.r.hgetall(self.keys.batch(batch_id))
+            if meta and "status" not in meta:
+                final = self._write(batch_id, meta, lambda: self._renew(keys=[lock], args=[token, FINALIZE_LOCK_S]))
+                self.r.hset(self.keys.batch(batch_id), mapping=final)
+                meta = {**meta, **{k: str(v) for k, v in final.items()}}
+            self._expire_records(batch_id)
+            self.r.zrem(self.names.batches_to_finalize, batch_id)
+            return meta
+        finally:
+            self._renew(keys=[lock], args=[token, 0])
+
+    def _write(self, batch_id: str, meta: dict[str, str], renew: Callable[[], object]) -> dict:
+        queue = self.r.hgetall(self.names.batch(batch_id))
+        tenant = Tenant(meta["tenant"], max_stored_bytes=int(meta.get("quota_bytes", DEFAULT_MAX_STORED_BYTES)),
+                        max_files=int(meta.get("quota_files", DEFAULT_MAX_FILES)))
+        ttl_s = int(meta.get("file_ttl_s", self.file_ttl_s))
+        suffix = batch_id.removeprefix("batch_")
+        # Error lines first in each chunk: they are few and small, and say what went wrong.
+        outputs = {kind: OutputFile(self.files, tenant, meta.get(f"{kind}_file", f"file-{kind}-{suffix}"),
+                                    f"{batch_id}_{kind}.jsonl", ttl_s) for kind in ("error", "output")}
+        jobs_key = self.names.batch_jobs(batch_id)
+        total = self.r.llen(jobs_key)
+        completed = 0
+        for start in range(0, total, FINALIZE_CHUNK):
+            chosen: dict[str, list[tuple[int, bytes]]] = {"output": [], "error": []}
+            for number, line in enumerate(self._lines(self.r.lrange(jobs_key, start, start + FINALIZE_CHUNK - 1)),
+                                          start + 1):
+                good = (line.get("response") or {}).get("status_code") == 200
+                completed += good
+                chosen["output" if good else "error"].append((number, (json.dumps(line) + "\n").encode()))
+            for kind, out in outputs.items():
+                out.add(chosen[kind])
+            renew()
+        status = "cancelled" if "cancelling_at" in meta else "expired" if int(queue.get("expired", 0)) else "completed"
+        final: dict = {"status": status, "ended_at": int(float(queue.get("completed_at") or time.time())),
+                       "total": total, "completed": completed, "failed": total - completed}
+        errors = []
+        if not queue and not total:  # the queue's records were gone before any finalizer came
+            final.update(status="expired", total=int(meta.get("total", 0)), failed=0)
+            errors.append({"code": "expired", "message": "the batch's records expired before its output was "
+                                                         "written", "param": None, "line": None})
+        for kind, out in outputs.items():
+            if (file_id := out.commit()) is not None:
+                final[f"{kind}_file_id"] = file_id
+            if out.refused is not None:
+                number, why = out.refused
+                errors.append({"code": why.code, "message": f"{kind} file: holds the lines before line {number}. "
+                                                            f"{why}", "param": None, "line": number})
+        if errors:
+            final["errors"] = json.dumps({"object": "list", "data": errors})
+        return final
+
+    def _lines(self, job_ids: list[str]) -> list[dict]:
+        """The batch output lines of these jobs; a job whose record is gone gets an error line."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.names.job(job_id))
+            pipe.get(self.names.result(job_id))
+        replies = pipe.execute()
+        return [output_line(JobStatus.from_record(job_id, rec), raw) if rec else
+                batch_output_line(None, error=RequestError("the job's record expired before the batch's output "
+                                                           "was written", code="expired"))
+                for job_id, rec, raw in zip(job_ids, replies[::2], replies[1::2], strict=True)]
+
+    def _expire_records(self, batch_id: str) -> None:
+        """The batch's hash, job list, job records and results expire ``result_ttl_s`` from now."""
+        jobs_key, ttl = self.names.batch_jobs(batch_id), self.result_ttl_s
+        for start in range(0, self.r.llen(jobs_key), FINALIZE_CHUNK):
+            pipe = self.r.pipeline(transaction=False)
+            for job_id in self.r.lrange(jobs_key, start, start + FINALIZE_CHUNK - 1):
+                pipe.expire(self.names.job(job_id), ttl)
+                pipe.expire(self.names.result(job_id), ttl)
+            pipe.execute()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.expire(self.names.batch(batch_id), ttl)
+        pipe.expire(jobs_key, ttl)
+        pipe.execute()
 
 
 def _batch_object(batch_id: str, meta: dict[str, str]) -> dict:
@@ -212,10 +395,12 @@ def _batch_object(batch_id: str, meta: dict[str, str]) -> dict:
     when = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}
     times = {when[status]: ended} if status in when else {}
     cancelling = int(meta["cancelling_at"]) if "cancelling_at" in meta else None
+    finalizing = int(meta["finalizing_at"]) if "finalizing_at" in meta else None
     return BatchObject(
         id=batch_id, endpoint=meta["endpoint"], input_file_id=meta["input_file_id"],
         completion_window=meta["completion_window"], status=status, created_at=created, in_progress_at=created,
-        expires_at=created + COMPLETION_WINDOW_S, cancelling_at=cancelling, **times,
+        expires_at=created + COMPLETION_WINDOW_S, cancelling_at=cancelling, finalizing_at=finalizing, **times,
+        errors=json.loads(meta["errors"]) if "errors" in meta else None,
         output_file_id=meta.get("output_file_id"), error_file_id=meta.get("error_file_id"),
         request_counts=RequestCounts(total=int(meta["total"]), completed=int(meta["completed"]),
                                      failed=int(meta["failed"])),

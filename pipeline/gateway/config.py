@@ -69,9 +69,35 @@ class GatewayKeys:
         """Sorted set: a tenant's file ids by creation time."""
         return f"{self._base}files:{tenant}"
 
+    def file_staging(self, file_id: str) -> str:
+        """String (bytes, short TTL): a batch output file being written chunk by chunk; renamed to its
+        content key once whole."""
+        return f"{self._base}file:{file_id}:staging"
+
+    @property
+    def storage_ledger(self) -> str:
+        """Hash: file id -> "<bytes> <tenant>" for every file stored or being written (outlives the files,
+        which expire on their own: ``storage_expiry`` says when to settle an entry)."""
+        return f"{self._base}storage:ledger"
+
+    @property
+    def storage_expiry(self) -> str:
+        """Sorted set: file id -> when its ledger entry lapses (its file's expiry, or a reservation's end)."""
+        return f"{self._base}storage:expiry"
+
+    @property
+    def storage_usage(self) -> str:
+        """Hash: ``bytes:<tenant>`` and ``files:<tenant>`` per tenant, ``bytes`` for all: the ledger's sums."""
+        return f"{self._base}storage:usage"
+
     def batch(self, batch_id: str) -> str:
-        """Hash: an OpenAI batch's tenant, input file, endpoint, metadata and, once done, its output files."""
+        """Hash: an OpenAI batch's tenant, input file, endpoint, metadata, its quotas for its output files
+        and, once done, its status, counts and output files."""
         return f"{self._base}batch:{batch_id}"
+
+    def finalize_lock(self, batch_id: str) -> str:
+        """String with a TTL (an owner token): held by the process writing the batch's output files."""
+        return f"{self._base}batch:{batch_id}:finalizing"
 
     def batches_of(self, tenant: str) -> str:
         """Sorted set: a tenant's batch ids by creation time."""

@@ -4,7 +4,8 @@ The keys file (``PAGEDQ_API_KEYS_FILE``, JSON or TOML) holds only the SHA-256
 of each key, never the key itself::
 
     {"keys": [{"sha256": "<hex of sha256(key)>", "tenant": "team-a",
-               "max_priority": 7, "rpm": 600, "max_queued": 100}]}
+               "max_priority": 7, "rpm": 600, "max_queued": 100,
+               "max_stored_bytes": "1GiB", "max_files": 1000}]}
 
 ``python -m pagedq.pipeline.gateway.keys <key>`` prints the line for a key.
 Several keys may name the same tenant; a tenant's limits are those of the
@@ -20,12 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from pagedq.config.settings import parse_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+DEFAULT_MAX_STORED_BYTES = 1 << 30
+DEFAULT_MAX_FILES = 1000
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,8 @@ class Tenant:
     max_priority: int = 9  # the highest job priority (0-9) this tenant may ask for
     rpm: int | None = None  # requests per minute; None: unlimited
     max_queued: int | None = None  # jobs waiting or running at once; None: unlimited
+    max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES  # bytes of files kept at once: uploads and batch output
+    max_files: int = DEFAULT_MAX_FILES  # files kept at once (a batch holds two places for its output files)
 
 
 ANONYMOUS = Tenant("default")  # every request, when the gateway runs without a keys file (loopback only)
@@ -48,6 +57,8 @@ class _KeyEntry(BaseModel):
     max_priority: Annotated[int, Field(ge=0, le=9)] = 9
     rpm: Annotated[int, Field(ge=1)] | None = None
     max_queued: Annotated[int, Field(ge=1)] | None = None
+    max_stored_bytes: Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)] = DEFAULT_MAX_STORED_BYTES
+    max_files: Annotated[int, Field(ge=0)] = DEFAULT_MAX_FILES
 
 
 class _KeysFile(BaseModel):
@@ -85,7 +96,8 @@ class KeyRing:
         by_hash = {}
         for entry in entries:
             tenant = first.setdefault(entry.tenant, Tenant(entry.tenant, entry.max_priority, entry.rpm,
-                                                           entry.max_queued))
+                                                           entry.max_queued, entry.max_stored_bytes,
+                                                           entry.max_files))
             by_hash[entry.sha256.lower()] = tenant
         return cls(by_hash)
 
@@ -105,7 +117,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pagedq.pipeline.gateway.keys <api-key>", file=sys.stderr)
         return 2
     print(json.dumps({"sha256": hash_key(argv[0]), "tenant": "CHANGE-ME", "max_priority": 9, "rpm": 600,
-                      "max_queued": 100}))
+                      "max_queued": 100, "max_stored_bytes": "1GiB", "max_files": DEFAULT_MAX_FILES}))
     return 0
 
 

@@ -42,7 +42,8 @@ async def upload_file(request: Request, tenant: TenantDep) -> JSONResponse:
         raise ApiError(400, f"purpose: must be 'batch', not {purpose!r}", "purpose", "invalid_request_error")
     content = form["file"].content
     if len(content) > limit:
-        raise ApiError(413, f"file: larger than {limit} bytes", "file", "request_too_large")
+        raise ApiError(413, f"file: {len(content)} bytes, larger than this gateway's max_file_bytes of {limit} "
+                            "(pagedq serve --max-file-bytes)", "file", "request_too_large")
     filename = form["file"].filename.encode("utf-8", "replace").decode()[:255] or "upload.jsonl"
     return JSONResponse(await run_in_threadpool(gw.files.create, tenant, filename, purpose, content))
 
