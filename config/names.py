@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import ClassVar
 
 from pagedq.config.settings import Settings
 
@@ -102,8 +103,16 @@ class Names:
 
     @property
     def active_jobs(self) -> str:
-        """Sorted set: every accepted job not yet ended, scored by its creation time (see ``store.lost_jobs``)."""
+        """Sorted set: every accepted job not yet ended, scored by the time from which it must have a message
+        somewhere (its send confirmed; or its creation + ``send_grace_s`` while its send is pending), see
+        ``store.lost_jobs``."""
         return f"{self.key_prefix}active-jobs"
+
+    @property
+    def job_queues(self) -> str:
+        """Set: the generate queues jobs were created for (one per model); with the preprocess and results
+        queues, the queues the lost-job sweep reads (it never SCANs the keyspace)."""
+        return f"{self.key_prefix}job-queues"
 
     @property
     def lost_suspects(self) -> str:
@@ -112,7 +121,8 @@ class Names:
 
     @property
     def sweep_lock(self) -> str:
-        """String with a TTL: held by the process sweeping for lost messages now."""
+        """String with a TTL: the token of the process sweeping for lost messages now (renewed while it sweeps,
+        then kept for the rest of the interval, so one sweep runs per interval)."""
         return f"{self.key_prefix}lost-sweep-lock"
 
     @property
@@ -130,7 +140,8 @@ class Names:
         return f"{self.key_prefix}result:{job_id}"
 
     def stream(self, job_id: str) -> str:
-        """Redis stream of a job's text deltas, ended by an 'end' entry."""
+        """Redis stream of a job's text deltas, ended by an 'end' entry: at most about ``stream_maxlen`` entries
+        (XADD MAXLEN ~), and gone ``stream_ttl_after_end_s`` after the job ends (its result holds the text)."""
         return f"{self.key_prefix}stream:{job_id}"
 
     def done_channel(self, job_id: str) -> str:
@@ -139,6 +150,9 @@ class Names:
 
     def batch(self, batch_id: str) -> str:
         """Hash: counts and timestamps of a batch."""
+    stream_maxlen: ClassVar[int] = 10_000  # entries: one per engine step at most, so a run's whole text fits
+    stream_ttl_after_end_s: ClassVar[int] = 60  # readers following the job read its last entries within a second
+
         return f"{self.key_prefix}batch:{batch_id}"
 
     def batch_done_channel(self, batch_id: str) -> str:

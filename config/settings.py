@@ -119,6 +119,9 @@ class Settings(BaseSettings):
                                  "beyond it submit raises RequestError(code='queue_full') and writes nothing")
     max_attempts: int = Field(3, ge=1, description="starts of a job whose worker dies each time before it "
                                                   "fails with code 'poison'")
+    send_grace_s: float = Field(30, gt=0, description="the lost-job sweep looks for a job's message only once its "
+                                "producer confirmed sending it, or this long after the job was written (a "
+                                "producer killed between the two: its jobs are sent again about this much later)")
     worker_ttl_s: int = Field(
         15, ge=2, description="a worker's heartbeat record and its messages' leases last this long unless "
                               "renewed: a dead worker's jobs go back on their queues within about 1.3x this")

@@ -166,7 +166,8 @@ class Client:
         self.r = redis_client(url, self.settings.broker_timeout_s, self.settings)
         self.names = Names.from_settings(self.settings)
         self.control = ControlChannel(self.r, self.names, configured_secret(self.settings))
-        self.store = JobStore(self.r, self.names, self.settings.result_ttl_s, self.settings.max_attempts)
+        self.store = JobStore(self.r, self.names, self.settings.result_ttl_s, self.settings.max_attempts,
+                              self.settings.send_grace_s)
         self.app = make_celery(self.settings, url)
         self.cache = ResultCache(self.r, self.names, self.settings.result_cache_ttl_s,
                                  self.settings.result_cache_max_bytes)
@@ -211,6 +212,9 @@ class Client:
         except BaseException:
             self.store.discard(job_id)  # never sent: no trace of it stays
             raise
+        sending = _SendLoop(self.store, [job_id])
+        sending.one_sent()
+        sending.finish()
         return job_id
 
     def _cache_lookup(self, url: str, req: AnyRequest) -> tuple[dict, dict | None]:
@@ -413,7 +417,7 @@ class Client:
                  "done_channel": self.names.batch_done_channel(batch_id)}
         self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids),
                           messages={j: json.dumps(to_json(m)) for j, m in msgs.items()})
-        sent = 0
+        loop = _SendLoop(self.store, job_ids)
         try:
             for job_id, (_, req, _url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
                 if err is not None:
@@ -422,12 +426,14 @@ class Client:
                     self._answer_from_cache(job_id, cached)
                 else:
                     self._send(msgs[job_id], req.priority)
-                sent += 1
+                loop.one_sent()
         except BaseException as e:  # every job written ends: those not sent fail with the reason
             error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")
-            for job_id in job_ids[sent:]:
+            for job_id in job_ids[loop.sent:]:
                 self.store.finish(job_id, JobState.FAILED, error=error.to_dict())
+            loop.finish()
             raise
+        loop.finish()
         if not items:
             self.r.hset(bkey, mapping={"state": "completed", "completed_at": now()})
         return batch_id
@@ -482,6 +488,42 @@ class Client:
         replies = pipe.execute()
         return [_output_line(JobStatus.from_record(job_id, rec), raw)
                 for job_id, rec, raw in zip(job_ids, replies[::2], replies[1::2], strict=True)]
+
+
+class _SendLoop:
+    """What the lost-job sweep (``store.lost_jobs``) needs to know of a send loop over freshly created jobs.
+
+    A job is written pending (the sweep leaves it alone for ``send_grace_s``); once its message is sent it is
+    confirmed (the sweep looks for it from then on), in chunks.  While the loop runs, the grace of the jobs not
+    yet sent is extended every third of it, so however long a batch takes to send, none of its jobs is sent
+    again before its own send; a producer killed mid-loop leaves its unsent jobs to the sweep once the grace
+    has passed.  Confirming is best effort: an unconfirmed job is looked for once its grace has passed.
+    """
+
+    CONFIRM_EVERY = 500
+
+    def __init__(self, store: JobStore, job_ids: list[str]) -> None:
+        self.store, self.job_ids = store, job_ids
+        self.sent = self.confirmed = 0
+        self.extended_at = time.monotonic()
+
+    def one_sent(self) -> None:
+        """The next job's message is sent (or the job ended without one)."""
+        self.sent += 1
+        if self.sent - self.confirmed >= self.CONFIRM_EVERY:
+            self.store.mark_sent(self.job_ids[self.confirmed:self.sent])
+            self.confirmed = self.sent
+        if time.monotonic() - self.extended_at > self.store.send_grace_s / 3 and self.sent < len(self.job_ids):
+            self.store.keep_pending(self.job_ids[self.sent:])
+            self.extended_at = time.monotonic()
+
+    def finish(self) -> None:
+        """Confirm the jobs sent so far."""
+        try:
+            self.store.mark_sent(self.job_ids[self.confirmed:self.sent])
+        except redis.RedisError:
+            pass  # looked for once their grace has passed
+        self.confirmed = self.sent
 
 
 def _batch_lines(lines) -> Iterator[str | dict]:

@@ -48,8 +48,10 @@ return 'ok'
 # KEYS: the active-jobs set, one backlog counter per model, the job hashes, then [batch hash, batch job list].
 # ARGV: max queued jobs per model, number of counters, JSON {"now": time, "need": [jobs per counter],
 #       "jobs": [[k, v, ...], ...], "ids": [job ids], "messages": [[key, message], ...],
-#       "batch": [k, v, ...] or null, "batch_jobs": [job ids]}.
+#       "batch": [k, v, ...] or null, "batch_jobs": [job ids], "grace": send grace in seconds,
+#       "queues": [the generate queues of the jobs' models]}; the job-queues set is the last key.
 # All or nothing: nothing is written when a counter would pass the bound (returns that counter's key).
+# A job joins the active set with its send pending: watched from Redis's now + grace (``JobStore.mark_sent``).
 _CREATE = """
 local max, ncounters = tonumber(ARGV[1]), tonumber(ARGV[2])
 local plan = cjson.decode(ARGV[3])
@@ -57,11 +59,14 @@ for i = 1, ncounters do
   if tonumber(redis.call('GET', KEYS[1 + i]) or '0') + plan.need[i] > max then return KEYS[1 + i] end
 end
 for i = 1, ncounters do redis.call('INCRBY', KEYS[1 + i], plan.need[i]) end
+local t = redis.call('TIME')
+local watch_from = tonumber(t[1]) + tonumber(t[2]) / 1e6 + plan.grace
 for j, fields in ipairs(plan.jobs) do
   redis.call('HSET', KEYS[1 + ncounters + j], unpack(fields))
-  redis.call('ZADD', KEYS[1], plan.now, plan.ids[j])
+  redis.call('ZADD', KEYS[1], watch_from, plan.ids[j])
 end
 for _, kv in ipairs(plan.messages) do redis.call('SET', kv[1], kv[2]) end
+for _, queue in ipairs(plan.queues) do redis.call('SADD', KEYS[#KEYS], queue) end
 if plan.batch ~= cjson.null then
   local b, ids = 1 + ncounters + #plan.jobs, plan.batch_jobs
   redis.call('HSET', KEYS[b + 1], unpack(plan.batch))
@@ -82,8 +87,20 @@ redis.call('DEL', KEYS[2])
 return redis.call('DEL', KEYS[1])
 """
 
+# KEYS: the active-jobs set. ARGV: seconds from Redis's now, 'later' (only ever move a job's time later) or '',
+# job ids.  Sets when the lost-job sweep starts looking for these jobs' messages; an ended job stays out.
+_WATCH = """
+local t = redis.call('TIME')
+local at = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
+for i = 3, #ARGV do
+  if ARGV[2] == 'later' then redis.call('ZADD', KEYS[1], 'XX', 'GT', at, ARGV[i])
+  else redis.call('ZADD', KEYS[1], 'XX', at, ARGV[i]) end
+end
+return 0
+"""
+
 # KEYS: job hash, result, delta stream, message, active-jobs set, batches-to-finalize set.
-# ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id.
+# ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id, the delta stream's TTL.
 # A batch's job keeps its record and result (no TTL) until the batch is finalized: the finalizer gives them
 # their TTL once the batch's output is written (pipeline/gateway/batches.py), so no line is lost to a batch
 # that outlives result_ttl_s or is read late.
@@ -113,8 +130,8 @@ if batch then
 end
 if redis.call('HGET', KEYS[1], 'stream') == '1' then
   redis.call('XADD', KEYS[3], '*', 'type', 'end', 'state', state)
-  redis.call('EXPIRE', KEYS[3], ttl)
 end
+if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[8]) end  -- read by now: gone soon
 redis.call('PUBLISH', ARGV[6], state)
 return 1
 """
@@ -138,17 +155,23 @@ return 0
 """
 
 
+SEND_GRACE_S = 30.0  # default of settings.send_grace_s
+
+
 def now() -> float:
     return round(time.time(), 6)
 
 
 class JobStore:
-    def __init__(self, client: redis.Redis, names: Names, result_ttl_s: int, max_attempts: int = 3) -> None:
+    def __init__(self, client: redis.Redis, names: Names, result_ttl_s: int, max_attempts: int = 3,
+                 send_grace_s: float = SEND_GRACE_S) -> None:
         self.r = client
         self.names = names
         self.ttl = result_ttl_s
         self.max_attempts = max_attempts
+        self.send_grace_s = send_grace_s
         self._create = client.register_script(_CREATE)
+        self._watch = client.register_script(_WATCH)
         self._discard = client.register_script(_DISCARD)
         self._admit = client.register_script(_ADMIT)
         self._finish = client.register_script(_FINISH)
@@ -161,6 +184,8 @@ class JobStore:
 
         Every job joins the active-jobs set until it ends; ``messages`` (job id -> its preprocess message)
         are kept beside the records so that a message lost on its way can be sent again (``store.lost_jobs``).
+        Its send is pending: the sweep looks for its message only after ``mark_sent``, or ``send_grace_s``
+        from now (the producer died before sending it).
 
         A record whose fields name a ``model`` takes a place in that model's backlog until the job ends;
         when a model's backlog would pass ``max_queued``, nothing is written and RequestError
@@ -176,11 +201,13 @@ class JobStore:
         plan = {"now": now(), "need": list(counters.values()), "jobs": [_flat(fields) for _, fields in jobs],
                 "ids": [job_id for job_id, _ in jobs],
                 "messages": [[self.names.job_message(j), m] for j, m in (messages or {}).items()],
-                "batch": None, "batch_jobs": []}
+                "batch": None, "batch_jobs": [], "grace": self.send_grace_s,
+                "queues": sorted({self.names.generate_queue(f["model"]) for _, f in jobs if f.get("model")})}
         if batch is not None:
             batch_key, fields, job_ids = batch
             keys += [batch_key, fields["jobs_key"]]
             plan["batch"], plan["batch_jobs"] = _flat(fields), job_ids
+        keys.append(self.names.job_queues)
         verdict = self._create(keys=keys, args=[max_queued, len(counters), json.dumps(plan)])
         if verdict != "ok":
             model = next(f["model"] for _, f in jobs if f.get("backlog_key") == verdict)
@@ -191,6 +218,19 @@ class JobStore:
         """Remove a job that was never sent, and its place in the backlog."""
         self._discard(keys=[self.names.job(job_id), self.names.job_message(job_id), self.names.active_jobs],
                       args=[job_id])
+
+    def mark_sent(self, job_ids: list[str]) -> None:
+        """These jobs' messages are on their queue: from now on the lost-job sweep looks for them."""
+        self._watch_from(job_ids, 0.0, later_only=False)
+
+    def keep_pending(self, job_ids: list[str]) -> None:
+        """These jobs' sends are still coming (a long send loop): the sweep leaves them ``send_grace_s`` more."""
+        self._watch_from(job_ids, self.send_grace_s, later_only=True)
+
+    def _watch_from(self, job_ids: list[str], delay_s: float, later_only: bool) -> None:
+        for i in range(0, len(job_ids), 1000):
+            self._watch(keys=[self.names.active_jobs],
+                        args=[delay_s, "later" if later_only else "", *job_ids[i:i + 1000]])
 
     def backlog(self, model: str) -> int:
         """Jobs of ``model`` accepted and not yet ended."""
@@ -219,7 +259,8 @@ class JobStore:
             keys=[n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
                   n.batches_to_finalize],
             args=[state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
-                  json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id]))
+                  json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id,
+                  n.stream_ttl_after_end_s]))
 
     def expire_if_due(self, job_id: str) -> bool:
         """End a job never started and past its ``expires_at``, as a worker taking it would; True if it did."""

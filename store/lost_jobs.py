@@ -1,30 +1,48 @@
 """The last safety net: an accepted job whose message was lost is sent again.
 
-Leases (``transport``) return the messages a dead worker *held*.  Two gaps
-remain where a job has no message anywhere: kombu pops a message from its
-queue (BRPOP) and only then records it in the ``unacked`` hash, so a worker
-killed between the two loses it; and a producer killed between writing a job
-and sending its message leaves a job nobody will run.  Either would leave the
-job queued or in progress forever.
+Leases (``transport``) return the messages a dead worker *held*.  Other gaps
+leave a job with no message anywhere: kombu pops a message from its queue
+(BRPOP) and only then records it in the ``unacked`` hash, so a worker killed
+between the two loses it; a producer killed between writing a job and sending
+its message leaves a job nobody will run; a task that fails on a broker
+error is acknowledged once the broker answers again, its job unfinished; and a
+broker that crashes loses its last second of writes (AOF ``everysec``), which
+can keep a job's record while dropping the message sent right after it.
 
 So every accepted job is in the active-jobs set until it ends (the create and
-finish scripts of ``jobs``), with its preprocess message kept beside it.  A
-sweep, run by one process at a time every ``interval_s`` seconds, compares
-the active jobs older than one interval with the jobs named by the messages
-in every queue list and in ``unacked``.  A job missing from two sweeps in a
-row (a message is between those places for milliseconds, not seconds) is put
-back to ``queued`` and its preprocess message sent again; preprocessing and
-generation then run as for a new job, and ``finish`` still publishes once.
-A job sent again ``max_resends`` times ends failed with code ``lost``.
+finish scripts of ``jobs``), with its preprocess message kept beside it.  Its
+score is the time (on Redis's clock) from which it must have a message
+somewhere: the producer sets it when its send is done (``JobStore.mark_sent``);
+until then the job is *pending* for ``send_grace_s`` after it was written, so
+neither a long ``submit_batch`` send loop (which keeps its unsent jobs
+pending) nor a producer killed mid-send is mistaken: the first is left alone,
+the second is found once the grace has passed.
 
-Counting comes first: while the queues and ``unacked`` hold at least as many
-messages as there are active jobs, nothing can be missing and no message is read.
+A sweep, run by one process at a time every ``interval_s`` seconds, compares
+*ids*: the active jobs due to have a message, against the jobs named by the
+messages on the known queue lists (preprocess, results and each job model's
+generate queue, every priority; read in pages) and in ``unacked`` (read with
+HSCAN).  Messages of jobs that already ended (a job cancelled or expired while
+queued leaves its message behind) name no active job and so hide nothing.
+A job missing from two sweeps in a row (a message is between those places for
+milliseconds, not seconds) is put back to ``queued`` and its preprocess message
+sent again; preprocessing and generation then run as for a new job, and
+``finish`` still publishes once.  A job sent again ``max_resends`` times ends
+failed with code ``lost``.
+
+The lock is owner-checked: held under a token, renewed while the sweep reads
+(compare-and-extend), kept for the rest of the interval once done, released
+only by its owner.  Resending is fenced inside Lua: the script sends nothing
+unless the caller still holds the lock and removes the job from the suspects,
+so two sweepers never resend one job.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+import uuid
 from collections.abc import Callable, Iterable
 
 from pagedq.config.messages import PreprocessJob, RequestError
@@ -34,84 +52,168 @@ from pagedq.store.transport import job_id_of
 
 log = logging.getLogger("pagedq.lost_jobs")
 
-# KEYS: job hash, its message. ARGV: now, max resends.
-# Returns the message to send, 'gone' (no record), 'ended', 'give_up' or 'no_message'.
+PAGE = 1000  # list items (LRANGE) or hash fields (HSCAN COUNT) read per call
+
+# KEYS: job hash, its message, active-jobs set, sweep lock, lost suspects.
+# ARGV: now, max resends, lock token, job id, send grace (s).
+# Returns the message to send, 'not_owner', 'not_suspect', 'gone' (no record), 'ended', 'give_up' or 'no_message'.
 _RESEND = """
+if redis.call('GET', KEYS[4]) ~= ARGV[3] then return 'not_owner' end
+if redis.call('SREM', KEYS[5], ARGV[4]) == 0 then return 'not_suspect' end
 local st = redis.call('HGET', KEYS[1], 'state')
-if not st then return 'gone' end
-if st ~= 'queued' and st ~= 'in_progress' and st ~= 'cancelling' then return 'ended' end
+if not st then redis.call('ZREM', KEYS[3], ARGV[4]) return 'gone' end
+if st ~= 'queued' and st ~= 'in_progress' and st ~= 'cancelling' then
+  redis.call('ZREM', KEYS[3], ARGV[4])
+  return 'ended'
+end
 local message = redis.call('GET', KEYS[2])
 if not message then return 'no_message' end
 if redis.call('HINCRBY', KEYS[1], 'resent', 1) > tonumber(ARGV[2]) then return 'give_up' end
 if st == 'in_progress' then redis.call('HSET', KEYS[1], 'state', 'queued') end
 redis.call('HSET', KEYS[1], 'resent_at', ARGV[1])
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[3], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[5]), ARGV[4])
 return message
+"""
+
+# KEYS: lock. ARGV: token, ms.  Compare-and-extend.
+_EXTEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+# KEYS: lock. ARGV: token.  Compare-and-delete.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+# KEYS: lock, lost suspects. ARGV: token, TTL (s), job ids.  This sweep's suspects replace the last ones.
+_SUSPECT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[2])
+for i = 3, #ARGV, 1000 do redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+if #ARGV > 2 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+return 1
 """
 
 Send = Callable[[PreprocessJob, int], None]  # (the job's preprocess message, its pagedq priority)
 
 
+class LockLost(RuntimeError):
+    """Another sweeper holds the lock now: this sweep stops without resending anything more."""
+
+
 class LostJobSweep:
-    def __init__(self, store: JobStore, send: Send, interval_s: float, owner: str, max_resends: int = 3) -> None:
+    def __init__(self, store: JobStore, send: Send, interval_s: float, owner: str, max_resends: int = 3,
+                 page: int = PAGE) -> None:
         self.store, self.r, self.names = store, store.r, store.names
         self.send = send
         self.interval_s = interval_s
         self.owner = owner
+        self.token = f"{owner}:{uuid.uuid4().hex}"  # unique per sweeper, even for two with one hostname
         self.max_resends = max_resends
+        self.page = page
+        self._lock_ms = max(int(interval_s * 900), 100)  # the lock outlives a sweep by most of an interval
+        self._renewed_at = 0.0
         self._resend = self.r.register_script(_RESEND)
+        self._extend = self.r.register_script(_EXTEND)
+        self._release = self.r.register_script(_RELEASE)
+        self._suspect = self.r.register_script(_SUSPECT)
 
     def sweep(self) -> list[str]:
-        """One sweep (if no other process swept within the interval); returns the jobs sent again."""
-        if not self.r.set(self.names.sweep_lock, self.owner, nx=True, px=int(self.interval_s * 900)):
+        """One sweep (unless another process swept within the interval); returns the jobs sent again."""
+        if not self.r.set(self.names.sweep_lock, self.token, nx=True, px=self._lock_ms):
             return []
-        lists = list(self.r.scan_iter(match=self.names.broker_list_pattern, count=1000, _type="list"))
-        if self._message_count(lists) >= self.r.zcard(self.names.active_jobs):
-            self.r.delete(self.names.lost_suspects)
-            return []
-        old = self.r.zrangebyscore(self.names.active_jobs, "-inf", now() - self.interval_s)
-        held = self._jobs_with_a_message(lists)
-        missing = {job for job in old if job not in held}
+        started = self._renewed_at = time.monotonic()
+        resent: list[str] = []
+        try:
+            self._sweep(resent)
+        except LockLost:
+            log.warning("lost-job sweep: another sweeper took the lock; stopped after sending %d again", len(resent))
+            return resent
+        except BaseException:
+            self.release()
+            raise
+        # Kept until most of an interval has passed since this sweep began: one sweep per interval, whichever process.
+        left_ms = self._lock_ms - int((time.monotonic() - started) * 1000)
+        if left_ms < 1 or not self._extend(keys=[self.names.sweep_lock], args=[self.token, left_ms]):
+            self.release()
+        return resent
+
+    def release(self) -> bool:
+        """Give the lock back, if this sweeper still holds it."""
+        return bool(self._release(keys=[self.names.sweep_lock], args=[self.token]))
+
+    def renew(self) -> None:
+        """Extend the lock by its whole TTL, if this sweeper still holds it; raises LockLost otherwise."""
+        if not self._extend(keys=[self.names.sweep_lock], args=[self.token, self._lock_ms]):
+            raise LockLost(self.names.sweep_lock)
+        self._renewed_at = time.monotonic()
+
+    def _renew_if_due(self) -> None:
+        if time.monotonic() - self._renewed_at > self._lock_ms / 3000:
+            self.renew()
+
+    def _sweep(self, resent: list[str]) -> None:
+        """Resend the jobs missing now and at the last sweep (appended to ``resent``); suspect the newly missing."""
+        due = set(self.r.zrangebyscore(self.names.active_jobs, "-inf", _server_now(self.r)))
+        held = self._jobs_with_a_message(due) if due else set()
+        missing = due - held
         before = self.r.smembers(self.names.lost_suspects)
-        confirmed = sorted(missing & before)
-        with self.r.pipeline() as pipe:
-            pipe.delete(self.names.lost_suspects)
-            if missing - before:
-                pipe.sadd(self.names.lost_suspects, *(missing - before))
-                pipe.expire(self.names.lost_suspects, int(self.interval_s * 3) + 1)
-            pipe.execute()
-        return [job for job in confirmed if self._send_again(job)]
+        for job in sorted(missing & before):
+            if self._send_again(job):
+                resent.append(job)
+        self._suspect(keys=[self.names.sweep_lock, self.names.lost_suspects],
+                      args=[self.token, int(self.interval_s * 3) + 1, *sorted(missing - before)])
 
-    def _message_count(self, lists: list[str]) -> int:
-        with self.r.pipeline(transaction=True) as pipe:
-            for key in lists:
-                pipe.llen(key)
-            pipe.hlen(self.names.unacked)
-            return sum(pipe.execute())
+    def queues(self) -> list[str]:
+        """The queues job messages live on: preprocess, results and every generate queue a job was created for."""
+        n = self.names
+        return [n.preprocess_queue, n.results_queue, *sorted(self.r.smembers(n.job_queues))]
 
-    def _jobs_with_a_message(self, lists: list[str]) -> set[str]:
+    def _jobs_with_a_message(self, wanted: set[str]) -> set[str]:
+        """The jobs named by a message on a known queue or in ``unacked``; stops early once all of ``wanted``
+        are found.  Lists first, then ``unacked``: a message moving on (list -> unacked) is seen once either way."""
         held: set[str] = set()
-        for raw in self._messages(lists):
-            try:
-                payload = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(payload, list) and payload:  # unacked: [payload, exchange, routing key]
-                payload = payload[0]
-            job = job_id_of(payload) if isinstance(payload, dict) else None
-            if job is not None:
-                held.add(job)
+        for raws in self._pages():
+            for raw in raws:
+                job = _job_of(raw)
+                if job is not None:
+                    held.add(job)
+            if wanted <= held:
+                break
+            self._renew_if_due()
         return held
 
-    def _messages(self, lists: list[str]) -> Iterable[str]:
-        for key in lists:
-            yield from self.r.lrange(key, 0, -1)
-        yield from self.r.hvals(self.names.unacked)
+    def _pages(self) -> Iterable[list[str]]:
+        lists = [key for q in self.queues() for key in self.names.broker_lists(q)]
+        with self.r.pipeline(transaction=False) as pipe:
+            for key in lists:
+                pipe.llen(key)
+            lengths = pipe.execute()
+        for key, length in zip(lists, lengths, strict=True):
+            # kombu pushes on the left and pops on the right: pages from the left never skip a message that stays
+            for start in range(0, length, self.page):
+                page = self.r.lrange(key, start, start + self.page - 1)
+                if not page:
+                    break
+                yield page
+        cursor = 0
+        while True:
+            cursor, fields = self.r.hscan(self.names.unacked, cursor, count=self.page)
+            yield list(fields.values())
+            if cursor == 0:
+                break
 
     def _send_again(self, job_id: str) -> bool:
         n = self.names
-        verdict = self._resend(keys=[n.job(job_id), n.job_message(job_id)], args=[now(), self.max_resends])
-        if verdict in ("gone", "ended"):
-            self.r.zrem(n.active_jobs, job_id)
+        verdict = self._resend(
+            keys=[n.job(job_id), n.job_message(job_id), n.active_jobs, n.sweep_lock, n.lost_suspects],
+            args=[now(), self.max_resends, self.token, job_id, self.store.send_grace_s])
+        if verdict == "not_owner":
+            raise LockLost(n.sweep_lock)
+        if verdict in ("not_suspect", "gone", "ended"):
             return False
         if verdict in ("give_up", "no_message"):
             why = ("its message was lost and sent again too often" if verdict == "give_up"
@@ -121,5 +223,27 @@ class LostJobSweep:
             return False
         priority = int(self.r.hget(n.job(job_id), "priority") or 0)
         log.warning("job %s had no message on any queue or worker; sent again", job_id)
-        self.send(PreprocessJob(**json.loads(verdict)), priority)
+        try:
+            self.send(PreprocessJob(**json.loads(verdict)), priority)
+        except Exception as e:  # noqa: BLE001 - still pending: sent again once its grace has passed
+            log.warning("job %s: could not send it again (%s: %s); tried again later", job_id, type(e).__name__, e)
+            return False
+        self.store.mark_sent([job_id])
         return True
+
+
+def _server_now(r) -> float:
+    """Redis's clock: the one the active set's scores are on (every host's own clock may be off)."""
+    seconds, micros = r.time()
+    return seconds + micros / 1e6
+
+
+def _job_of(raw: str) -> str | None:
+    """The job a raw queue item or ``unacked`` value (``[payload, exchange, routing key]``) is a message of."""
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(payload, list) and payload:
+        payload = payload[0]
+    return job_id_of(payload) if isinstance(payload, dict) else None

@@ -308,7 +308,8 @@ class EngineService:
         delta = handle.detokenizer.delta(finished)
         if delta:
             key = self.names.stream(handle.job.job_id)
-            pipe.xadd(key, {"type": "delta", "text": delta, "tokens": handle.num_tokens})
+            pipe.xadd(key, {"type": "delta", "text": delta, "tokens": handle.num_tokens},
+                      maxlen=self.names.stream_maxlen, approximate=True)
             pipe.expire(key, self.result_ttl_s)
 
     def _publish_stats(self, pipe=None) -> None:
