@@ -288,3 +288,21 @@ def test_a_replayed_control_message_changes_nothing(client, settings):
     [gpu] = [k for k in client.r.scan_iter(match=client.names.worker_pattern) if client.r.hget(k, "role") == "gpu"]
     assert client.r.smembers(seen) == {gpu[len(client.names.worker("")):]}
     assert 0 < client.r.ttl(seen) <= control.SEEN_TTL_S
+
+
+def test_an_answer_is_filed_only_under_the_weights_served_now(redis):
+    names = Names(f"pqf{random.getrandbits(32):x}:", "pqf.")
+    cache = ResultCache(redis, names, ttl_s=3600, max_bytes=1 << 20)
+    old, new = (f"{random.getrandbits(128):032x}" for _ in range(2))
+    info = ModelInfo(name="m", fingerprint=new, max_model_len=2048, vocab_size=100, queue="q")
+    register_model(redis, names, info)
+    request = request_digest("/v1/completions", {"prompt": words(), "temperature": 0})
+    answer = {"choices": [{"text": words()}]}
+    assert not cache.put_answer("m", 0, old, request, answer), "an old worker's answer, after the reload"
+    assert not cache.put_answer("m", 0, "", request, answer), "weights changed while it ran"
+    assert not redis.exists(cache.key("m", 0, old, request)) and not redis.exists(cache.key("m", 0, new, request))
+    assert cache.put_answer("m", 0, new, request, answer)
+    assert cache.get(cache.key("m", 0, new, request)) == answer and cache.total_bytes() > 0
+    redis.delete(names.model("m"))  # no worker serves it any more
+    other = request_digest("/v1/completions", {"prompt": words(), "temperature": 0})
+    assert not cache.put_answer("m", 0, new, other, answer)
