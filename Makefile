@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	mkdir -p .lint/pagedq && touch .lint/pagedq/__init__.py
-	for d in config kernels store workers pipeline; do ln -sfn ../../$$d .lint/pagedq/$$d; done
+	for d in config kernels fleet store workers pipeline; do ln -sfn ../../$$d .lint/pagedq/$$d; done
 	PYTHONPATH=.lint $(BIN)/lint-imports
 
 clean:
