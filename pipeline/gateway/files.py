@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import redis
@@ -37,6 +38,7 @@ PURPOSES = ("batch", "batch_output")  # uploads take "batch"; the gateway writes
 RESERVATION_S = 600  # a claim not yet followed by its file lapses after this long (its writer died)
 MAX_OUTPUT_FILE_BYTES = 512 << 20  # Redis's largest string (OpenAI's largest file is 512 MB too)
 STORE_CAP_CACHE_S = 30.0  # how long Redis's maxmemory is believed without asking again
+READ_CHUNK = 4 << 20  # file content is read back this much at a time
 
 # Shared by the scripts below.  KEYS[1..3]: ledger, expiry, usage.  drop(id) forgets a ledger entry.
 _LEDGER = """
@@ -205,6 +207,19 @@ class FileStore:
         if content is None:
             raise ApiError.not_found("file", file_id)
         return content
+
+    def content_chunks(self, file_id: str, tenant: Tenant) -> tuple[int, Iterator[bytes]]:
+        """(size, its bytes in chunks of ``READ_CHUNK``): a large file is never held whole in memory."""
+        self._meta(file_id, tenant)
+        key = self.keys.file_content(file_id)
+        size = self.raw.strlen(key)
+        if size == 0 and not self.raw.exists(key):
+            raise ApiError.not_found("file", file_id)
+
+        def chunks() -> Iterator[bytes]:
+            for start in range(0, size, READ_CHUNK):
+                yield self.raw.getrange(key, start, start + READ_CHUNK - 1)
+        return size, chunks()
 
     def delete(self, file_id: str, tenant: Tenant) -> dict:
         self._meta(file_id, tenant)

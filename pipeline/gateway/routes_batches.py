@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from pagedq.pipeline.gateway.batches import BatchCreate
 from pagedq.pipeline.gateway.bodies import read_body, read_json, validate_model
 from pagedq.pipeline.gateway.errors import ApiError
+from pagedq.pipeline.gateway.files import READ_CHUNK
 from pagedq.pipeline.gateway.forms import FormError, parse_form
 from pagedq.pipeline.gateway.openapi import errors, form_body, json_body
 from pagedq.pipeline.gateway.shapes import BatchList, BatchObject, FileDeleted, FileList, FileObject
@@ -66,7 +67,10 @@ def get_file(file_id: str, request: Request, tenant: TenantDep) -> dict:
     200: {"description": "the file's bytes", "content": {"application/octet-stream": {"schema": {
         "type": "string", "format": "binary"}}}}, **_READ})
 def get_file_content(file_id: str, request: Request, tenant: TenantDep) -> Response:
-    return Response(gateway(request).files.content(file_id, tenant), media_type="application/octet-stream")
+    size, chunks = gateway(request).files.content_chunks(file_id, tenant)
+    if size <= READ_CHUNK:
+        return Response(b"".join(chunks), media_type="application/octet-stream")
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)})
 
 
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=_READ)
