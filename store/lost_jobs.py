@@ -31,8 +31,8 @@ sent again; preprocessing and generation then run as for a new job, and
 failed with code ``lost``.
 
 The lock is owner-checked: held under a token, renewed while the sweep reads
-(compare-and-extend), kept for the rest of the interval once done, released
-only by its owner.  Resending is fenced inside Lua: the script sends nothing
+(compare-and-extend; taken back if it lapsed with nobody else holding it),
+kept for the rest of the interval once done, released only by its owner.  Resending is fenced inside Lua: the script sends nothing
 unless the caller still holds the lock and removes the job from the suspects,
 so two sweepers never resend one job.
 """
@@ -76,10 +76,12 @@ redis.call('ZADD', KEYS[3], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumb
 return message
 """
 
-# KEYS: lock. ARGV: token, ms.  Compare-and-extend.
+# KEYS: lock. ARGV: token, ms.  Compare-and-extend; a lock that lapsed unclaimed (a long pause) is taken back.
 _EXTEND = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 
 # KEYS: lock. ARGV: token.  Compare-and-delete.
@@ -146,7 +148,7 @@ class LostJobSweep:
         return bool(self._release(keys=[self.names.sweep_lock], args=[self.token]))
 
     def renew(self) -> None:
-        """Extend the lock by its whole TTL, if this sweeper still holds it; raises LockLost otherwise."""
+        """Extend the lock by its whole TTL, unless another sweeper holds it now (then raise LockLost)."""
         if not self._extend(keys=[self.names.sweep_lock], args=[self.token, self._lock_ms]):
             raise LockLost(self.names.sweep_lock)
         self._renewed_at = time.monotonic()
@@ -161,6 +163,8 @@ class LostJobSweep:
         held = self._jobs_with_a_message(due) if due else set()
         missing = due - held
         before = self.r.smembers(self.names.lost_suspects)
+        if missing & before:
+            self.renew()
         for job in sorted(missing & before):
             if self._send_again(job):
                 resent.append(job)
