@@ -248,7 +248,8 @@ class OutputFile:
 
     Invariant: the ledger always holds at least the bytes appended so far.  Once a chunk is refused (the
     tenant's quota, the store's share, ``MAX_OUTPUT_FILE_BYTES``), no later line is written: the file holds
-    a prefix of its lines and ``refused`` says why and from which line on.
+    a prefix of its lines and ``refused`` says why and from which line on.  A writer starts from nothing: the
+    half file and the counted bytes of one that died before it are dropped, never counted twice.
     """
 
     def __init__(self, files: FileStore, tenant: Tenant, file_id: str, filename: str, ttl_s: int) -> None:
@@ -259,6 +260,9 @@ class OutputFile:
         self.refused: tuple[int, ApiError] | None = None  # (first batch line not written, why)
         self._last_refusal = ApiError(413, "file: refused", "file", "request_too_large")
         files.r.delete(self.staging)  # a crashed writer's half file
+        refusal = files.claim(tenant, file_id, 0)  # its place, held since the batch began, with no bytes yet
+        if refusal is not None:
+            self.refused = (1, refusal.error)
 
     def add(self, lines: list[tuple[int, bytes]]) -> None:
         """Append (batch line number, line ending in a newline) pairs, in order."""

@@ -27,6 +27,7 @@ from pagedq.config.names import JobState, Names
 from pagedq.pipeline.gateway.batches import BatchCreate
 from pagedq.pipeline.gateway.config import HANDOFF_VARIABLE, KEYS_FILE_VARIABLE, GatewayConfig
 from pagedq.pipeline.gateway.errors import ApiError
+from pagedq.pipeline.gateway.files import OutputFile
 from pagedq.pipeline.gateway.keys import Tenant, hash_key
 from pagedq.pipeline.gateway.state import Gateway
 from pagedq.pipeline.local.redis_server import RedisServer
@@ -168,6 +169,21 @@ def test_batch_finalized_when_it_ends_and_records_kept_until_then(stores):
     output = [json.loads(ln) for ln in gw.files.content(done["output_file_id"], tenant).splitlines()]
     assert [x["custom_id"] for x in output] == ["c0", "c1", "c2"]
     assert gw.files.usage(tenant)[1] == 2  # input and output files; the unused error file's place was freed
+
+
+def test_a_finalizer_that_died_mid_write_is_not_counted_twice(stores):
+    gw, tenant = stores, Tenant("crashy")
+    batch_id, job_ids = create_batch(gw, tenant, [chat_line(f"c{i}") for i in range(6)])
+    end_jobs(gw, job_ids)
+    meta = gw.r.hgetall(gw.keys.batch(batch_id))
+    dead = OutputFile(gw.files, tenant, meta["output_file"], "x.jsonl", 60)  # wrote half, then died
+    dead.add([(1, random_file(3000))])
+
+    done = gw.batches.get(batch_id, tenant)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 6
+    files = gw.files.list(tenant, None, 10)["data"]
+    assert gw.files.usage(tenant) == (sum(f["bytes"] for f in files), 2)
+    assert len(gw.files.content(done["output_file_id"], tenant).splitlines()) == 6
 
 
 def test_missing_records_and_a_full_quota_never_fail_a_read(stores):
