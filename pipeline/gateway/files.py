@@ -113,6 +113,7 @@ class FileStore:
         self._claim = r.register_script(_CLAIM)
         self._release = r.register_script(_RELEASE)
         self._cap: tuple[float, int] = (float("-inf"), 0)
+        self._warned = False
 
     # --- room -----------------------------------------------------------------------------------------
     def store_cap(self) -> int:
@@ -121,8 +122,10 @@ class FileStore:
         if time.monotonic() - checked_at > STORE_CAP_CACHE_S:
             try:
                 maxmemory = int(self.r.info("memory").get("maxmemory", 0))
-            except redis.ResponseError as e:  # INFO refused (an ACL): the tenants' quotas still hold
-                log.warning("cannot read Redis's maxmemory (%s); the file store has no overall bound", e)
+            except redis.ResponseError as e:  # INFO refused (an ACL without @dangerous): the tenants' quotas hold
+                if not self._warned:
+                    log.warning("cannot read Redis's maxmemory (%s); the file store has no overall bound", e)
+                    self._warned = True
                 maxmemory = 0
             cap = int(maxmemory * self.store_share)
             self._cap = (time.monotonic(), cap)
