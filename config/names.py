@@ -144,15 +144,15 @@ class Names:
         (XADD MAXLEN ~), and gone ``stream_ttl_after_end_s`` after the job ends (its result holds the text)."""
         return f"{self.key_prefix}stream:{job_id}"
 
+    stream_maxlen: ClassVar[int] = 10_000  # entries: one per engine step at most, so a run's whole text fits
+    stream_ttl_after_end_s: ClassVar[int] = 60  # readers following the job read its last entries within a second
+
     def done_channel(self, job_id: str) -> str:
         """Pub/sub channel that hears the job's terminal state once."""
         return f"{self.key_prefix}done:{job_id}"
 
     def batch(self, batch_id: str) -> str:
         """Hash: counts and timestamps of a batch."""
-    stream_maxlen: ClassVar[int] = 10_000  # entries: one per engine step at most, so a run's whole text fits
-    stream_ttl_after_end_s: ClassVar[int] = 60  # readers following the job read its last entries within a second
-
         return f"{self.key_prefix}batch:{batch_id}"
 
     def batch_done_channel(self, batch_id: str) -> str:
