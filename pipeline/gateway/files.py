@@ -317,6 +317,9 @@ def _quota_error(tenant: Tenant, limit: str, used: int, nbytes: int, cap: int, s
         return ApiError(429, f"Storage quota reached: {who} stores {used} files, at most {tenant.max_files} "
                              "(max_files). Delete files or wait for them to expire.", "file",
                         "storage_quota_exceeded")
+    if nbytes > cap:
+        return ApiError(413, f"file: {nbytes} bytes, more than the file store holds at all: {cap} bytes "
+                             f"(PAGEDQ_FILE_STORE_SHARE={share} of Redis's maxmemory)", "file", "request_too_large")
     return ApiError(429, f"The file store is full: files take {used} bytes of Redis, at most {cap} "
                          f"(PAGEDQ_FILE_STORE_SHARE={share} of its maxmemory); this file needs {nbytes} more. "
                          "Retry later.", "file", "file_store_full", 60)

@@ -51,8 +51,8 @@ def random_text(n: int) -> str:
 
 
 def random_file(nbytes: int) -> bytes:
-    """JSONL-looking bytes, fresh each time."""
-    return (random_text(nbytes - 1) + "\n").encode()
+    """Text bytes ending in a newline, fresh each time."""
+    return os.urandom(nbytes).hex().encode()[:nbytes - 1] + b"\n"
 
 
 def chat_line(custom_id: str, max_tokens: int = 3) -> str:
@@ -125,6 +125,9 @@ def test_a_full_file_store_refuses_files_never_jobs(tmp_path):
                 upload(gw, Tenant("newcomer"), random_file(size))
             assert full.value.status == 429 and full.value.code == "file_store_full"
             assert "PAGEDQ_FILE_STORE_SHARE=0.25" in str(full.value) and str(maxmemory // 4) in str(full.value)
+            with pytest.raises(ApiError) as never:
+                upload(gw, Tenant("newcomer"), random_file(maxmemory // 4 + 1))
+            assert never.value.status == 413 and "PAGEDQ_FILE_STORE_SHARE" in str(never.value)
             assert content_keys(gw.r, "pfs:") == keys_before
             job_id = gw.client.submit([{"role": "user", "content": random_text(20)}], max_tokens=2)
             assert gw.client.status(job_id).state == JobState.QUEUED
