@@ -9,11 +9,12 @@
   where 9 is most urgent; producers send ``names.broker_priority(p) = 9 - p``.
 - Leases: a message a worker took and has not acknowledged is the worker's
   lease on its job.  The hardened transport renews the leases of every
-  message a live worker holds every ``lease / 3`` seconds, and every consumer
+  message a live worker holds every ``lease / 4`` seconds, and every consumer
   puts back on its queue any message whose lease ran out (its worker died):
   within ``lease`` + ``lease / 3`` seconds of a kill, however long the job runs
   on a live worker.  ``lease`` = min(``PAGEDQ_WORKER_TTL_S``,
   ``PAGEDQ_VISIBILITY_TIMEOUT_S``), the same TTL as a worker's heartbeat record.
+  Lease times are Redis's ``TIME``, never a host's clock (``store/transport.py``).
 - Events on, so Flower sees every task.
 - The Redis transport is kombu's, hardened so garbage pushed onto a queue is
   logged and dropped instead of stopping the worker (``pagedq.store.transport``,
@@ -25,6 +26,7 @@
 from __future__ import annotations
 
 import ssl
+import time
 
 from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
@@ -74,6 +76,17 @@ def message_lease_s(settings: Settings) -> float:
     return min(settings.worker_ttl_s, settings.visibility_timeout_s)
 
 
+_REAL_TIME = time.time
+
+
+def apply_clock_offset(offset_s: float) -> None:
+    """Tests only (``PAGEDQ_CLOCK_OFFSET_S``): this process's ``time.time`` runs ``offset_s`` seconds ahead, as
+    on a host whose clock is off; modules that import ``time`` from ``time`` afterwards (kombu's Redis transport,
+    loaded at the first connection) get the shifted clock too."""
+    if offset_s:
+        time.time = lambda: _REAL_TIME() + offset_s
+
+
 def celery_config(settings: Settings, url: str) -> dict:
     names = Names.from_settings(settings)
     lease = message_lease_s(settings)
@@ -86,7 +99,9 @@ def celery_config(settings: Settings, url: str) -> dict:
             "sep": KOMBU_PRIORITY_SEP,
             "queue_order_strategy": "priority",
             "visibility_timeout": lease,
-            "lease_renew_interval": max(lease / 3, 0.5),
+            # Renewals every lease / 4: a live worker renews well within the lease, and a broker pause
+            # shorter than lease / 2 (after which leases restart: store/transport.py) cannot expire it.
+            "lease_renew_interval": max(lease / 4, 0.5),
             # Sweep for expired leases every few seconds (kombu's default is ~100 s).
             "unacked_restore_interval": max(lease / 3, 0.5),
             "unacked_restore_throttle": 1,
@@ -123,6 +138,7 @@ def use_hardened_transport() -> None:
 
 def make_celery(settings: Settings, url: str, main: str = "pagedq") -> Celery:
     use_hardened_transport()
+    apply_clock_offset(settings.clock_offset_s)
     app = Celery(main, set_as_current=False)
     app.conf.update(celery_config(settings, url))
     return app

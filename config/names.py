@@ -131,6 +131,12 @@ class Names:
         return f"{self.key_prefix}unacked"
 
     @property
+    def lease_clock(self) -> str:
+        """Hash: Redis time of the last lease call by any consumer ('seen') and of the last return of the
+        broker after a gap ('resumed'); leases are judged only from then on (``store.transport``)."""
+        return f"{self.key_prefix}lease-clock"
+
+    @property
     def broker_list_pattern(self) -> str:
         """Matches every queue list of this deployment (all queues, all priorities)."""
         return f"{self.key_prefix}{self.queue_prefix}*"

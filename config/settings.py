@@ -125,6 +125,8 @@ class Settings(BaseSettings):
     worker_ttl_s: int = Field(
         15, ge=2, description="a worker's heartbeat record and its messages' leases last this long unless "
                               "renewed: a dead worker's jobs go back on their queues within about 1.3x this")
+    clock_offset_s: float = Field(0, description="tests only: this process's wall clock (time.time) runs this many "
+                                  "seconds ahead, as on a host whose clock is off; leases never depend on it")
     cpu_worker_concurrency: int = Field(1, ge=1, description="threads of a CPU (preprocess/postprocess) worker")
     progress_interval_s: float = Field(2.0, gt=0, description="how often a GPU worker reports tokens so far")
     model_wait_s: float = Field(600, ge=0, description="how long preprocess waits for a worker to serve a model")

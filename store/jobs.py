@@ -29,18 +29,37 @@ import redis
 from pagedq.config.messages import RequestError
 from pagedq.config.names import JobState, Names
 
+# KEYS: job. ARGV: now, '1' to take the job, the taking worker, max attempts, the worker-record key prefix.
+# The deadline is judged on Redis's clock.  An attempt is counted unless the previous holder is alive and did
+# not hand the job back (the job is still in_progress, or a lease restore took it from that holder:
+# ``restored_from``): then this is a second copy, not a restart.  A holder is alive while its record
+# (names.worker) was refreshed within the last half of its TTL (``ttl_s``, written by its heartbeat): a dead
+# worker's record goes stale before its leases can run out.
 _ADMIT = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st then return 'missing' end
 if st ~= 'queued' and st ~= 'in_progress' then return st end
 local expires = redis.call('HGET', KEYS[1], 'expires_at')
 local started = redis.call('HGET', KEYS[1], 'started_at')
-if st == 'queued' and not started and expires and tonumber(expires) < tonumber(ARGV[1]) then return 'expired' end
+local t = redis.call('TIME')
+local clock = tonumber(t[1]) + tonumber(t[2]) / 1000000
+if st == 'queued' and not started and expires and tonumber(expires) < clock then return 'expired' end
 if ARGV[2] == '1' then
-  if tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') >= tonumber(ARGV[4]) then return 'poison' end
+  local holder = redis.call('HGET', KEYS[1], 'worker')
+  local spared = false
+  if holder and holder ~= '' and (st == 'in_progress' or redis.call('HGET', KEYS[1], 'restored_from') == holder) then
+    local record = ARGV[5] .. holder
+    local pttl = redis.call('PTTL', record)
+    local ttl = tonumber(redis.call('HGET', record, 'ttl_s') or '0')
+    spared = pttl == -1 or (pttl > 0 and (ttl == 0 or pttl > ttl * 500))
+  end
+  if not spared then
+    if tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') >= tonumber(ARGV[4]) then return 'poison' end
+    redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+  end
   if not started then redis.call('HSET', KEYS[1], 'started_at', ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'in_progress', 'worker', ARGV[3])
-  redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+  redis.call('HDEL', KEYS[1], 'restored_from')
 end
 return 'ok'
 """
@@ -246,10 +265,12 @@ class JobStore:
         self.r.hset(self.names.job(job_id), mapping={k: _field(v) for k, v in fields.items()})
 
     def admit(self, job_id: str, worker: str | None = None) -> str:
-        """'ok' if the job may proceed (with ``worker``: mark it in_progress, count an attempt), else its state,
-        or 'poison' when it was started ``max_attempts`` times already (each of its workers died)."""
+        """'ok' if the job may proceed (with ``worker``: mark it in_progress, count an attempt unless its previous
+        worker is alive and did not hand it back), else its state, or 'poison' when it was started
+        ``max_attempts`` times already (each of its workers died)."""
         return self._admit(keys=[self.names.job(job_id)],
-                           args=[now(), "1" if worker else "0", worker or "", self.max_attempts])
+                           args=[now(), "1" if worker else "0", worker or "", self.max_attempts,
+                                 self.names.worker("")])
 
     def finish(self, job_id: str, state: JobState, result: dict | None = None, error: dict | None = None) -> bool:
         """Move a job to a terminal state, once. Returns False if it already was in one."""

@@ -52,20 +52,38 @@ def live_workers(r: redis.Redis, names: Names) -> dict[str, dict[str, str]]:
     return {key[len(prefix):]: rec for key, rec in zip(keys, pipe.execute(), strict=True) if rec}
 
 
+# KEYS: the record. ARGV: TTL (s), then field, value, ... A beat: the fields, the Redis time of this beat
+# (``beat_at``, on the broker's clock whatever the host's), the TTL itself (``ttl_s``), and the TTL refreshed.
+_BEAT = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'beat_at', string.format('%d.%06d', t[1], t[2]), 'ttl_s', ARGV[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+
 class Heartbeat(threading.Thread):
-    """Keeps a worker's record alive (its TTL refreshed) while the process runs."""
+    """Keeps a worker's record alive (its TTL refreshed every ``ttl_s / 3``) while the process runs.
+
+    Every beat is one script: the record never exists without its TTL, carries ``ttl_s`` (so a reader can tell
+    a fresh record from one about to expire: ``store.jobs`` ``admit``) and ``beat_at``, the Redis time of the
+    last beat.  ``updated_at`` stays the host's time, for display.
+    """
 
     def __init__(self, r: redis.Redis, key: str, fields: dict, ttl_s: int = 15) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.r, self.key, self.ttl_s = r, key, ttl_s
-        r.hset(key, mapping=fields)
-        r.expire(key, ttl_s)
+        self._beat = r.register_script(_BEAT)
+        self.beat(fields)
+
+    def beat(self, fields: dict | None = None) -> None:
+        pairs = [x for k, v in (fields or {"updated_at": time.time()}).items() for x in (k, v)]
+        self._beat(keys=[self.key], args=[self.ttl_s, *pairs])
 
     def run(self) -> None:
         while True:
             time.sleep(self.ttl_s / 3)
             try:
-                self.r.hset(self.key, "updated_at", time.time())
-                self.r.expire(self.key, self.ttl_s)
+                self.beat()
             except redis.RedisError:
                 pass  # the broker is away; the record expires, and comes back with it

@@ -15,6 +15,19 @@ holds every ``lease_renew_interval`` seconds, so the visibility timeout is a
 *lease*: a message is redelivered only when the worker holding it stopped
 renewing (it died), however long its job runs.  A restored generate message
 also puts its job back to ``queued`` in the same transaction, once.
+
+One clock: every lease time is Redis's ``TIME``, read inside the script that
+writes or judges it, never a host's own clock (a host whose clock runs ahead
+would otherwise restore everyone's messages).  Invariants:
+
+- A tag is restored only if, inside the restore's transaction (``WATCH`` on the
+  index), its lease is still expired by Redis time: a tag renewed meanwhile stays.
+- Leases are judged only over time the broker was serving: every lease call
+  stamps ``names.lease_clock``; a call that finds no stamp for ``lease / 2``
+  seconds (the broker was down or paused, or no consumer ran) records that the
+  broker came back (``resumed``), and nothing is restored until a full lease has
+  passed since then, long enough for every live worker to renew first.
+- A consumer renews its own leases before it looks for expired ones.
 """
 
 from __future__ import annotations
@@ -22,10 +35,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import time
 from queue import Empty
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.json import dumps
 
 from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK, Names
 
@@ -34,12 +48,63 @@ log = logging.getLogger("pagedq.transport")
 PAGEDQ_TASKS = (PREPROCESS_TASK, GENERATE_TASK, POSTPROCESS_TASK)
 _MALFORMED = (ValueError, KeyError, TypeError, AttributeError, IndexError)
 
-# KEYS: job. A running job whose message goes back on its queue is queued again.
+# KEYS: job. A running job whose message goes back on its queue is queued again; ``restored_from`` names the
+# worker it was taken from (store/jobs.py ``admit`` counts no attempt while that worker is alive).
 _REQUEUE_JOB = """
 if redis.call('HGET', KEYS[1], 'state') == 'in_progress' then
-  redis.call('HSET', KEYS[1], 'state', 'queued', 'requeued_at', ARGV[1])
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'state', 'queued', 'requeued_at', string.format('%d.%06d', t[1], t[2]),
+             'restored_from', redis.call('HGET', KEYS[1], 'worker') or '')
   redis.call('HINCRBY', KEYS[1], 'redeliveries', 1)
 end
+return 0
+"""
+
+# Shared head of the lease scripts. KEYS[1]: unacked_index, KEYS[2]: the lease clock. ARGV[1]: the lease,
+# ARGV[2]: the gap (seconds without any lease call) after which the broker counts as having come back.
+# Sets ``now`` (Redis time) and ``resumed`` (when the broker last came back).
+_CLOCK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local seen = tonumber(redis.call('HGET', KEYS[2], 'seen') or '0')
+if now - seen > tonumber(ARGV[2]) then redis.call('HSET', KEYS[2], 'resumed', string.format('%.6f', now)) end
+redis.call('HSET', KEYS[2], 'seen', string.format('%.6f', now))
+local resumed = tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0')
+"""
+
+# ARGV[3]: tag, ARGV[4]: the message. A message taken: its lease starts now.
+_TAKE = _CLOCK + """
+redis.call('ZADD', KEYS[1], string.format('%.6f', now), ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+return 1
+"""
+
+# ARGV[3..]: tags. Renews the leases of the tags still held (XX: a restored tag stays restored).
+_RENEW = _CLOCK + """
+local n = 0
+for i = 3, #ARGV do n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', string.format('%.6f', now), ARGV[i]) end
+return n
+"""
+
+# ARGV[3]: at most this many tags (0: all). The tags whose lease expired by Redis time, oldest first.
+_DUE = _CLOCK + """
+if now - resumed < tonumber(ARGV[1]) then return {} end
+local limit = tonumber(ARGV[3])
+if limit > 0 then
+  return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.6f', now - tonumber(ARGV[1])), 'LIMIT', 0, limit)
+end
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.6f', now - tonumber(ARGV[1])))
+"""
+
+# KEYS[1]: unacked_index, KEYS[2]: the lease clock. ARGV: the lease, the tag. 1 if the tag's lease is expired
+# by Redis time now (read-only: run inside the restore's WATCH, so a renewal before EXEC aborts it).
+_STILL_DUE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
+local resumed = tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0')
+local lease = tonumber(ARGV[1])
+if score and tonumber(score) <= now - lease and now - resumed >= lease then return 1 end
 return 0
 """
 
@@ -58,7 +123,53 @@ def job_id_of(payload: dict, tasks: tuple[str, ...] = PAGEDQ_TASKS) -> str | Non
         return None
 
 
+class LeaseQoS(kombu_redis.QoS):
+    """kombu's ack emulation with leases on Redis's clock (see the module's docstring)."""
+
+    def append(self, message, delivery_tag):
+        delivery = message.delivery_info
+        raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self.channel.conn_or_acquire() as client:
+            self.channel.lease_call(client, _TAKE, [delivery_tag, raw], extra_keys=[self.channel.unacked_key])
+        virtual.QoS.append(self, message, delivery_tag)  # kombu's own bookkeeping, without its local-clock ZADD
+
+    def restore_visible(self, start=0, num=10, interval=10):
+        self._vrestore_count += 1
+        if (self._vrestore_count - 1) % (interval or 1):
+            return
+        self.channel.renew_leases()  # this consumer's own messages are never among the expired
+        with self.channel.conn_or_acquire() as client:
+            try:
+                with kombu_redis.Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
+                    for tag in self.channel.lease_call(client, _DUE, [num or 0]):
+                        self.restore_if_expired(tag, client)
+            except kombu_redis.MutexHeld:
+                pass
+
+    def restore_if_expired(self, tag: str, client) -> bool:
+        """Put the message ``tag`` back on its queue if its lease is expired, checked inside the transaction."""
+        channel, restored = self.channel, False
+
+        def restore_transaction(pipe):
+            nonlocal restored
+            restored = False
+            raw = pipe.hget(self.unacked_key, tag)
+            keys = [channel.full_key(self.unacked_index_key), channel.lease_clock_key]
+            if not raw or not pipe.eval(_STILL_DUE, len(keys), *keys, channel.visibility_timeout, tag):
+                return  # acknowledged, restored by another consumer, or renewed: nothing to do
+            pipe.multi()
+            self._remove_from_indices(tag, pipe)
+            payload, exchange, routing_key = json.loads(raw)
+            channel._do_restore_message(payload, exchange, routing_key, pipe)
+            restored = True
+
+        client.transaction(restore_transaction, self.unacked_key, self.unacked_index_key)
+        return restored
+
+
 class Channel(kombu_redis.Channel):
+    QoS = LeaseQoS
+
     def _brpop_read(self, **options):
         try:
             return super()._brpop_read(**options)
@@ -73,21 +184,33 @@ class Channel(kombu_redis.Channel):
             log.error("dropped a malformed message from %s: %s: %s", queue, type(e).__name__, e)
             raise Empty() from None
 
+    def full_key(self, key: str) -> str:
+        """``key`` with the deployment's prefix: EVAL is not key-prefixed by kombu, so its keys are given whole."""
+        return f"{self.global_keyprefix or ''}{key}"
+
+    @property
+    def lease_clock_key(self) -> str:
+        return Names(key_prefix=self.global_keyprefix or "").lease_clock
+
+    def lease_call(self, client, script: str, args: list, extra_keys: list[str] = ()):
+        """Run a lease script (``_CLOCK`` + ...) with this channel's keys, lease and resume gap."""
+        keys = [self.full_key(self.unacked_index_key), self.lease_clock_key, *map(self.full_key, extra_keys)]
+        lease = float(self.visibility_timeout)
+        return client.eval(script, len(keys), *keys, lease, lease / 2, *args)
+
     def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
         super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
         job_id = job_id_of(payload, (GENERATE_TASK,))
-        if job_id is not None:  # EVAL is not key-prefixed by kombu: the key is given whole
-            pipe.eval(_REQUEUE_JOB, 1, Names(key_prefix=self.global_keyprefix).job(job_id), repr(time.time()))
+        if job_id is not None:
+            key = Names(key_prefix=self.global_keyprefix or "").job(job_id)
+            pipe.eval(_REQUEUE_JOB, 1, key)
 
     def renew_leases(self) -> int:
-        """Mark every message this channel holds as taken now; returns how many."""
+        """Mark every message this channel holds as taken now (Redis time); returns how many.  Also stamps the
+        lease clock when it holds none, so the broker's being reachable is recorded."""
         tags = list(self.qos._delivered)
-        if not tags:
-            return 0
-        now = time.time()
         with self.conn_or_acquire() as client:
-            client.zadd(self.unacked_index_key, {tag: now for tag in tags}, xx=True)
-        return len(tags)
+            return int(self.lease_call(client, _RENEW, tags))
 
 
 class Transport(kombu_redis.Transport):
