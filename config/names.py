@@ -157,6 +157,10 @@ class Names:
         """Pub/sub channel that hears the job's terminal state once."""
         return f"{self.key_prefix}done:{job_id}"
 
+    def follow_wake(self, process: str) -> str:
+        """Stream (one entry, short TTL): wakes one gateway process's shared XREAD when it follows a new job."""
+        return f"{self.key_prefix}gw:follow-wake:{process}"
+
     def batch(self, batch_id: str) -> str:
         """Hash: counts and timestamps of a batch."""
         return f"{self.key_prefix}batch:{batch_id}"

@@ -134,6 +134,10 @@ class Settings(BaseSettings):
                                                          "BrokerUnavailable within about this long")
     wait_timeout_s: float = Field(3600, gt=0, description="default of Client.result()/wait(): seconds before "
                                                          "TimeoutError (the job goes on; wait again)")
+    gateway_limit_concurrency: int = Field(
+        2048, ge=1, description="completion requests (blocking or streamed) one gateway process serves at once; "
+                                "beyond it 503 with Retry-After, before any job is created (pagedq serve "
+                                "--limit-concurrency)")
 
     # --- metrics (docs/metrics.md) -------------------------------------------
     metrics_port: int = Field(0, ge=0, le=65535, description="workers serve Prometheus metrics on the first "

@@ -130,7 +130,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedq.pipeline.gateway.serve import serve
 
-    return serve(_settings(args), args.host, args.port, args.workers, args.log_level,
+    return serve(_settings(args, (*ENGINE_FLAGS, "gateway_limit_concurrency")), args.host, args.port, args.workers,
+                 args.log_level,
                  api_keys_file=args.api_keys_file, max_request_bytes=args.max_request_bytes,
                  max_file_bytes=args.max_file_bytes)
 
@@ -554,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="the default model (requests without one, /ready)")
     p.add_argument("--max-request-bytes", help="largest JSON request body, e.g. 4MiB (default; 413 beyond)")
     p.add_argument("--max-file-bytes", help="largest file upload, e.g. 64MiB (default; 413 beyond)")
+    p.add_argument("--limit-concurrency", type=int, dest="gateway_limit_concurrency",
+                   help="completion requests each worker process serves at once; beyond it 503 with Retry-After, "
+                        "before any job is created (default: PAGEDQ_GATEWAY_LIMIT_CONCURRENCY, 2048)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     p.set_defaults(func=cmd_serve)
 

@@ -12,8 +12,19 @@ each request streamed, ``--concurrency`` at a time:
 Printed: output tok/s of each, the HTTP/Client ratio, and time to first token
 (submit -> first text delta) p50/p99 of each.
 
+With ``--connections N`` it is a load test of one gateway process instead: N
+chat completions of ``--max-tokens`` tokens (greedy, ``ignore_eos``) sent all
+at once, each on its own connection, streamed or (``--blocking``) not.  Each
+answer is checked against its job: the whole text (every token), the token
+count, ``[DONE]`` at the end of a stream, and the job's state.  Printed:
+completed / failed / cancelled, time to first token (streams; the whole answer
+when blocking) p50/p99, and the gateway's memory (VmRSS before, VmHWM after,
+from ``/proc/<pid>/status``).
+
     python scripts/bench_http.py                                   # 200 requests, 64 at a time
     python scripts/bench_http.py --num-requests 8 --concurrency 4 --max-output-len 16   # a quick look
+    python scripts/bench_http.py --connections 1000                # 1,000 streams at once, 16 tokens each
+    python scripts/bench_http.py --connections 1000 --blocking     # 1,000 blocking requests
 """
 
 from __future__ import annotations
@@ -127,11 +138,148 @@ def run_http(base: str, requests: list[BenchRequest], concurrency: int) -> Run:
     return asyncio.run(_http(base, requests, concurrency))
 
 
-def start_gateway(settings: Settings, url: str, workers: int, log_dir: Path):
+# --- --connections: N requests at once through one gateway process ------------------------------------------
+@dataclass
+class Answer:
+    """One request's outcome: ``error`` is None when it answered 200 with a whole response."""
+
+    job_id: str | None = None
+    text: str = ""
+    tokens: int | None = None
+    done: bool = False  # a stream ended with [DONE]
+    ttft: float | None = None
+    error: str | None = None
+
+
+def load_body(i: int, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Request {i}: tell me about the number {i * 7919 % 10007}."}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+async def _stream_one(http: httpx.AsyncClient, body: dict) -> Answer:
+    answer, start = Answer(), time.perf_counter()
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return Answer(error=f"HTTP {resp.status_code}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                answer.done = True
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                answer.error = f"stream error {chunk['error'].get('code')}"
+                continue
+            answer.job_id = chunk["id"].removeprefix("chatcmpl-")
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if content:
+                answer.ttft = answer.ttft or time.perf_counter() - start
+                answer.text += content
+            if chunk.get("usage"):
+                answer.tokens = chunk["usage"]["completion_tokens"]
+    return answer
+
+
+async def _block_one(http: httpx.AsyncClient, body: dict) -> Answer:
+    start = time.perf_counter()
+    resp = await http.post("/v1/chat/completions", json=body)
+    if resp.status_code != 200:
+        return Answer(error=f"HTTP {resp.status_code}")
+    result = resp.json()
+    return Answer(result["id"].removeprefix("chatcmpl-"), result["choices"][0]["message"]["content"],
+                  result["usage"]["completion_tokens"], True, time.perf_counter() - start)
+
+
+async def _load(base: str, n: int, max_tokens: int, blocking: bool) -> tuple[list[Answer], float]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+    one = _block_one if blocking else _stream_one
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(1800, connect=120), limits=limits) as http:
+        async def guarded(i: int) -> Answer:
+            try:
+                return await one(http, load_body(i, max_tokens))
+            except httpx.HTTPError as e:
+                return Answer(error=type(e).__name__)
+
+        start = time.perf_counter()
+        answers = await asyncio.gather(*(guarded(i) for i in range(n)))
+        return answers, time.perf_counter() - start
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak RSS) of a process, in KiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0])
+    return fields
+
+
+def check(client: Client, answer: Answer, max_tokens: int) -> str:
+    """'completed', 'cancelled' or 'failed: why' for one answer, judged against its job."""
+    if answer.job_id is None:
+        return f"failed: {answer.error or 'no job id'}"
+    state = client.status(answer.job_id).state
+    if state == "cancelled":
+        return "cancelled"
+    if answer.error is not None or state != "completed":
+        return f"failed: {answer.error or state}"
+    expected = client.result(answer.job_id, timeout=60)["choices"][0]["message"]["content"]
+    if answer.text != expected:
+        return "failed: text differs from the job's"
+    if answer.tokens != max_tokens:
+        return f"failed: {answer.tokens} tokens"
+    return "completed" if answer.done else "failed: no [DONE]"
+
+
+def run_load(args: argparse.Namespace, settings: Settings, scratch: Path) -> dict:
+    mode = "blocking" if args.blocking else "streaming"
+    with Stack(settings, log_dir=scratch / "logs", loglevel="WARNING") as stack, \
+            Client(settings, stack.url) as client:
+        extra = ["--limit-concurrency", str(args.limit_concurrency)] if args.limit_concurrency else []
+        gateway, base = start_gateway(settings, stack.url, 1, scratch, extra)
+        try:
+            httpx.post(f"{base}/v1/completions", json={"prompt": "warm-up", "max_tokens": 2}, timeout=120)
+            before = memory_kib(gateway.pid)
+            print(f"{args.connections} {mode} chat completions at once, {args.max_tokens} tokens each; "
+                  f"gateway pid {gateway.pid}, VmRSS {before['VmRSS'] / 1024:.0f} MiB", flush=True)
+            answers, seconds = asyncio.run(_load(base, args.connections, args.max_tokens, args.blocking))
+            after = memory_kib(gateway.pid)
+        finally:
+            stop(gateway)
+        verdicts = [check(client, a, args.max_tokens) for a in answers]
+    failures: dict[str, int] = {}
+    for v in verdicts:
+        if v.startswith("failed"):
+            failures[v] = failures.get(v, 0) + 1
+    ttft = sorted(a.ttft for a in answers if a.ttft is not None)
+    report = {"mode": mode, "connections": args.connections, "max_tokens": args.max_tokens, "seconds": seconds,
+              "completed": verdicts.count("completed"), "cancelled": verdicts.count("cancelled"),
+              "failed": sum(failures.values()), "failures": failures,
+              "ttft_p50_ms": 1000 * ttft[len(ttft) // 2] if ttft else None,
+              "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
+              "gateway_rss_before_mib": before["VmRSS"] / 1024, "gateway_peak_rss_mib": after["VmHWM"] / 1024}
+    what = "TTFT" if mode == "streaming" else "latency"
+    print(f"\n| mode | connections | completed | failed | cancelled | seconds | {what} p50 ms | {what} p99 ms "
+          "| gateway RSS before / peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    p50, p99 = (f"{report[k]:.0f}" if report[k] is not None else "-" for k in ("ttft_p50_ms", "ttft_p99_ms"))
+    print(f"| {mode} | {args.connections} | {report['completed']} | {report['failed']} | {report['cancelled']} | "
+          f"{seconds:.1f} | {p50} | {p99} | {report['gateway_rss_before_mib']:.0f} / "
+          f"{report['gateway_peak_rss_mib']:.0f} |")
+    if failures:
+        print(f"failures: {failures}")
+    return report
+
+
+def start_gateway(settings: Settings, url: str, workers: int, log_dir: Path, extra: list[str] | None = None):
     port = free_port()
     env = {**settings_env(settings), "PAGEDQ_BROKER_URL": url}
     proc = spawn([sys.executable, "-m", "pagedq.pipeline.cli", "serve", "--port", str(port), "--workers",
-                  str(workers), "--log-level", "warning"], log_dir / "gateway.log", {**_environ(), **env})
+                  str(workers), "--log-level", "warning", *(extra or [])], log_dir / "gateway.log",
+                 {**_environ(), **env})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -161,7 +309,21 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=128)
     ap.add_argument("--gateway-workers", type=int, default=1, help="uvicorn worker processes")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--connections", type=int, help="load test instead: this many requests at once through one "
+                                                    "gateway process (see above)")
+    ap.add_argument("--blocking", action="store_true", help="with --connections: blocking requests, not streams")
+    ap.add_argument("--max-tokens", type=int, default=16, help="with --connections: tokens per request")
+    ap.add_argument("--limit-concurrency", type=int, help="with --connections: the gateway's --limit-concurrency")
     args = ap.parse_args()
+    if args.connections:
+        scratch = Path(tempfile.mkdtemp(prefix="pagedq-bench-http-"))
+        settings = Settings()
+        if not settings.broker_url:
+            settings = settings.model_copy(update={"redis_dir": scratch / "redis"})
+        report = run_load(args, settings.model_copy(update={"result_cache": False}), scratch)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        sys.exit(0 if report["completed"] == args.connections else 1)
 
     from transformers import AutoTokenizer
 

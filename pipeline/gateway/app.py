@@ -30,6 +30,7 @@ def create_app(settings: Settings | None = None, broker_url: str | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
+        await gw.aclose()
         gw.close()
 
     app = FastAPI(title="pagedq", version="0.1.0", lifespan=lifespan,

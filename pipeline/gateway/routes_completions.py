@@ -2,14 +2,19 @@
 
 A request is validated, enqueued with ``Client.submit`` and followed in Redis
 until its job ends.  A client that goes away (blocking or streaming) cancels
-its job.
+its job; nothing else does (a broker error while following answers an error
+and leaves the job running).  A gateway process serves at most
+``gateway_limit_concurrency`` of these requests at once: the next is answered
+503 with ``Retry-After`` before its job is created.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from fastapi import APIRouter, Request
@@ -28,6 +33,7 @@ from pagedq.pipeline.gateway.state import Gateway, TenantDep, gateway
 from pagedq.pipeline.protocol import CHAT_URL, COMPLETIONS_URL, RequestError
 from pagedq.store.registry import lookup_model
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 _COMPLETION_RESPONSES = {200: {"description": "the completion object, or with stream: true its chunks as "
@@ -63,6 +69,20 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
 
 async def _complete(request: Request, url: str, tenant: Tenant) -> Response:
     gw = gateway(request)
+    release = gw.admission.enter()
+    try:
+        response = await _admitted(gw, request, url, tenant)
+    except BaseException:
+        release()
+        raise
+    if isinstance(response, _Streamed):
+        response.on_close = release  # the place is held until the stream ends
+    else:
+        release()
+    return response
+
+
+async def _admitted(gw: Gateway, request: Request, url: str, tenant: Tenant) -> Response:
     sub = split_body(url, await read_json(request, gw.config.max_request_bytes), tenant,
                      gw.settings.default_priority)
     req = await run_in_threadpool(gw.client.validate, url, sub.body)
@@ -74,47 +94,59 @@ async def _complete(request: Request, url: str, tenant: Tenant) -> Response:
     shape = ChunkShape(sub.kind, ("chatcmpl-" if sub.kind == "chat" else "cmpl-") + job_id, req.model,
                        int(time.time()), sub.include_usage)
     if req.stream:
-        return StreamingResponse(_stream(gw, job_id, shape), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _Streamed(_stream(gw, job_id, shape), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         return await _blocking(gw, request, job_id)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
 
 
+class _Streamed(StreamingResponse):
+    """A streamed response that calls ``on_close`` once it has ended, however it ended."""
+
+    on_close: Callable[[], None] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+
 async def _blocking(gw: Gateway, request: Request, job_id: str) -> Response:
+    expire = gw.expiry_tick(job_id)
+
     async def tick(rec: dict[str, str]) -> None:
         if await request.is_disconnected():
             await run_in_threadpool(gw.cancel_quietly, job_id)
             raise ClientGone
-        await run_in_threadpool(gw.expire_if_due, job_id, rec)
+        await expire(rec)
 
-    r = gw.aredis()
-    rec = await follow.wait_done(r, gw.names, job_id, tick)
+    rec = await gw.follower().wait_done(job_id, tick)
     if rec["state"] != JobState.COMPLETED:
         raise job_error(rec)
-    result = await follow.result(r, gw.names, job_id)
+    result = await follow.result(gw.aredis(), gw.names, job_id)
     if result is None:
         raise ApiError.not_found("result of job", job_id)
     return JSONResponse(result)
 
 
 async def _stream(gw: Gateway, job_id: str, shape: ChunkShape) -> AsyncIterator[bytes]:
-    """The job's chunks; if the client goes away first (this generator is cancelled), the job is cancelled."""
-    async def tick(rec: dict[str, str]) -> None:
-        await run_in_threadpool(gw.expire_if_due, job_id, rec)
-
-    r, finished = gw.aredis(), False
+    """The job's chunks.  The job is cancelled only if the client goes away first (this generator is cancelled
+    or closed); a broker error ends the stream with an error chunk and leaves the job running."""
+    tick, follower = gw.expiry_tick(job_id), gw.follower()
     try:
         opening = shape.opening()
         if opening is not None:
             yield sse(opening)
         sent = ""
-        async for text in follow.deltas(r, gw.names, job_id, tick):
+        async for text in follower.deltas(job_id, tick):
             sent += text
             yield sse(shape.delta(text))
-        rec = await follow.wait_done(r, gw.names, job_id, tick)
-        result = await follow.result(r, gw.names, job_id) if rec["state"] == JobState.COMPLETED else None
+        rec = await follower.wait_done(job_id, tick)
+        result = await follow.result(gw.aredis(), gw.names, job_id) if rec["state"] == JobState.COMPLETED else None
         if result is None:
             yield sse(job_error(rec).body())
         else:
@@ -125,12 +157,15 @@ async def _stream(gw: Gateway, job_id: str, shape: ChunkShape) -> AsyncIterator[
             yield sse(shape.finish(choice.get("finish_reason"), choice.get("stop_reason")))
             if shape.include_usage:
                 yield sse(shape.usage(result["usage"]))
-        yield SSE_DONE
-        finished = True
-    finally:
-        if not finished:
-            with anyio.CancelScope(shield=True):
-                await run_in_threadpool(gw.cancel_quietly, job_id)
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(gw.cancel_quietly, job_id)
+        raise
+    except Exception as e:  # not the client's doing: say so, and let the job run on
+        log.warning("following job %s failed: %r", job_id, e)
+        yield sse(ApiError(503, f"lost track of the job: {type(e).__name__}; it goes on, see GET /v1/jobs/"
+                                f"{job_id}", None, "service_unavailable").body())
+    yield SSE_DONE
 
 
 # --- models ----------------------------------------------------------------------------------------------

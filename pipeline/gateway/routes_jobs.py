@@ -83,14 +83,11 @@ async def job_events(job_id: str, request: Request, tenant: TenantDep) -> Stream
 
 
 async def _events(gw: Gateway, job_id: str, tenant: Tenant) -> AsyncIterator[bytes]:
-    async def tick(rec: dict[str, str]) -> None:
-        await run_in_threadpool(gw.expire_if_due, job_id, rec)
-
-    r, sent = gw.aredis(), ""
-    async for text in follow.deltas(r, gw.names, job_id, tick):
+    tick, follower, sent = gw.expiry_tick(job_id), gw.follower(), ""
+    async for text in follower.deltas(job_id, tick):
         sent += text
         yield sse({"type": "delta", "text": text})
-    await follow.wait_done(r, gw.names, job_id, tick)
+    await follower.wait_done(job_id, tick)
     job = await run_in_threadpool(_job, gw, job_id, tenant)
     if job["result"] is not None:
         text = follow.text_of(job["result"])

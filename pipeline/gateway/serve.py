@@ -30,6 +30,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def raise_open_files_limit(wanted: int = 65536) -> int:
+    """Lift the soft limit on open files toward ``wanted`` (within the hard limit): every client connection is a
+    file descriptor, and 1,024 (a common soft limit) is too few for a thousand streams.  Returns the limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def _say(message: str) -> None:
     print(f"pagedq serve: {message}", file=sys.stderr, flush=True)
 
@@ -67,7 +83,9 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8000, workers
     os.environ.update(settings_env(settings))  # the factory in every uvicorn worker builds the same settings
     os.environ["PAGEDQ_BROKER_URL"] = url
     gateway_config.hand_off()
-    _say(f"http://{host}:{port} ({workers} worker process(es))")
+    open_files = raise_open_files_limit()
+    _say(f"http://{host}:{port} ({workers} worker process(es), each serving at most "
+         f"{settings.gateway_limit_concurrency} completion requests at once; {open_files} open files)")
     uvicorn.run("pagedq.pipeline.gateway.app:create_app", factory=True, host=host, port=port, workers=workers,
                 log_level=log_level, timeout_graceful_shutdown=5)
     return 0

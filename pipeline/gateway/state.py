@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated
 
 import redis
 import redis.asyncio as aredis
 from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from pagedq.config import Settings
 from pagedq.config.names import JobState
 from pagedq.pipeline.client import Client, JobNotFoundError, JobStatus
 from pagedq.pipeline.gateway.batches import BatchStore
 from pagedq.pipeline.gateway.config import GatewayConfig, GatewayKeys
-from pagedq.pipeline.gateway.errors import ApiError
+from pagedq.pipeline.gateway.errors import RETRY_AFTER_S, ApiError
 from pagedq.pipeline.gateway.files import FileStore
+from pagedq.pipeline.gateway.follow import Follower, Tick
 from pagedq.pipeline.gateway.keys import ANONYMOUS, KeyRing, Tenant
 from pagedq.pipeline.gateway.limits import TenantLimits
 from pagedq.store.connection import broker_url as find_broker_url
@@ -28,6 +32,34 @@ from pagedq.store.connection import tls_options
 from pagedq.store.registry import live_workers
 
 LIVENESS_CACHE_S = 2.0  # how long "a worker serves model M" is believed without looking again
+ASYNC_POOL_SIZE = 64  # asyncio Redis connections per gateway process; a call waits for a free one
+
+
+@dataclass
+class Admission:
+    """The completion requests one gateway process serves at once, at most ``limit``.
+
+    Counted on the event loop (no lock needed).  A request over the limit is refused before its job is
+    created: 503 with ``Retry-After``, so a client's retry never duplicates work."""
+
+    limit: int
+    serving: int = 0
+
+    def enter(self) -> Callable[[], None]:
+        """Take a place (``ApiError`` 503 if none is left); returns its release, which is idempotent."""
+        if self.serving >= self.limit:
+            raise ApiError(503, f"This gateway process is serving its limit of {self.limit} completion requests "
+                                "(PAGEDQ_GATEWAY_LIMIT_CONCURRENCY); retry shortly.", None, "service_unavailable",
+                           RETRY_AFTER_S)
+        self.serving += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.serving -= 1
+        return release
 
 
 class Gateway:
@@ -42,10 +74,12 @@ class Gateway:
         # Bytes replies, for file contents; the same server, password and TLS as the Client's connection.
         self.raw = redis.Redis.from_url(self.url, health_check_interval=30, **self._connection_options())
         self.limits = TenantLimits(self.r, self.keys, self.names.job(""))
-        self.files = FileStore(self.r, self.raw, self.keys, self.config.file_ttl_s)
+        self.files = FileStore(self.r, self.raw, self.keys, self.config.file_ttl_s, self.settings.file_store_share)
         self.batches = BatchStore(self.client, self.files, self.limits, self.keys, self.config)
+        self.admission = Admission(self.settings.gateway_limit_concurrency)
         self._aredis: aredis.Redis | None = None
-        self._aredis_loop: asyncio.AbstractEventLoop | None = None
+        self._follower: Follower | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, tuple[float, bool]] = {}
 
     def close(self) -> None:
@@ -58,13 +92,33 @@ class Gateway:
                 **tls_options(self.url, self.settings)}
 
     def aredis(self) -> aredis.Redis:
-        """An asyncio Redis client for the running event loop."""
-        loop = asyncio.get_running_loop()
-        if self._aredis is None or self._aredis_loop is not loop:
-            self._aredis = aredis.Redis.from_url(self.url, decode_responses=True, health_check_interval=30,
-                                                 **self._connection_options())
-            self._aredis_loop = loop
+        """The asyncio Redis client of the running event loop: a blocking pool of ``ASYNC_POOL_SIZE``
+        connections, so a burst of calls waits for a free connection (up to ``broker_timeout_s``) rather than
+        failing."""
+        self._bind_loop()
         return self._aredis
+
+    def follower(self) -> Follower:
+        """What every waiting request of this event loop follows its job with (see ``follow``)."""
+        self._bind_loop()
+        return self._follower
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            pool = aredis.BlockingConnectionPool.from_url(
+                self.url, max_connections=ASYNC_POOL_SIZE, timeout=self.settings.broker_timeout_s,
+                decode_responses=True, health_check_interval=30, **self._connection_options())
+            self._aredis = aredis.Redis.from_pool(pool)
+            self._follower = Follower(self._aredis, self.names)
+            self._loop = loop
+
+    async def aclose(self) -> None:
+        """Stop following and close the asyncio connections (on the loop that made them)."""
+        if self._loop is asyncio.get_running_loop():
+            await self._follower.close()
+            await self._aredis.aclose()
+            self._loop = None
 
     # --- who is asking ----------------------------------------------------------------------------------
     def tenant_for(self, authorization: str | None) -> Tenant:
@@ -114,6 +168,14 @@ class Gateway:
         expires = rec.get("expires_at")
         if rec.get("state") == JobState.QUEUED and expires and float(expires) < time.time():
             self.client.store.expire_if_due(job_id)  # decided in one script: never a job that has started
+
+    def expiry_tick(self, job_id: str) -> Tick:
+        """A follow tick that ends the job if it is still queued past its deadline (off the event loop, and
+        only for a queued job with a deadline: a thousand followers tick every second)."""
+        async def tick(rec: dict[str, str]) -> None:
+            if rec.get("state") == JobState.QUEUED and rec.get("expires_at"):
+                await run_in_threadpool(self.expire_if_due, job_id, rec)
+        return tick
 
     # --- workers ----------------------------------------------------------------------------------------
     def ready_workers(self) -> dict[str, int]:

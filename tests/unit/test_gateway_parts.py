@@ -1,22 +1,30 @@
-"""The gateway's pure parts: API keys, multipart forms, request splitting, batch lines, chunk shapes, errors.
+"""The gateway's parts: API keys, multipart forms, request splitting, batch lines, chunk shapes, errors, and
+the shared follower and admission count (the follower against the real redis-server).
 
-No Redis, no model: the HTTP behaviour end to end is in tests/e2e/test_gateway.py.
+No model: the HTTP behaviour end to end is in tests/e2e/test_gateway.py and test_gateway_load.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import uuid
 
 import httpx
 import pytest
+import redis.asyncio as aredis
 
+from pagedq.config.names import Names
 from pagedq.pipeline.gateway.batches import prepare_line
 from pagedq.pipeline.gateway.errors import ApiError
+from pagedq.pipeline.gateway.follow import Follower
 from pagedq.pipeline.gateway.forms import FormError, parse_form
 from pagedq.pipeline.gateway.keys import KeyRing, KeysFileError, Tenant, hash_key
 from pagedq.pipeline.gateway.requests import check_allowed, split_body
 from pagedq.pipeline.gateway.serve import is_loopback
 from pagedq.pipeline.gateway.shapes import ChunkShape, sse
+from pagedq.pipeline.gateway.state import Admission
 from pagedq.pipeline.protocol import CHAT_URL, COMPLETIONS_URL, RequestError, parse_request
 
 
@@ -196,3 +204,103 @@ def test_gateway_config_handed_to_worker_processes(monkeypatch, tmp_path):
     assert GatewayConfig.from_env() == config
     with pytest.raises(ValueError):
         GatewayConfig(max_file_bytes="lots")
+
+
+# --- following many jobs at once ----------------------------------------------------------------------------
+async def _no_tick(rec: dict[str, str]) -> None:
+    pass
+
+
+def _pool(redis_url: str, size: int) -> aredis.Redis:
+    return aredis.Redis.from_pool(aredis.BlockingConnectionPool.from_url(
+        redis_url, max_connections=size, timeout=30, decode_responses=True))
+
+
+def test_one_follower_serves_hundreds_of_jobs_over_four_connections(redis_url):
+    """300 streams and 300 end waits over a pool of 4 connections (2 of them the shared pub/sub and reader).
+    Waiters look at their records only every 10 minutes: every stream and wait must end by the shared pub/sub
+    and stream reader alone."""
+    names, n = Names(key_prefix=f"pfw{uuid.uuid4().hex[:6]}:"), 300
+    words = [f"w{random.randrange(10**6)} " for _ in range(50)]
+    texts = {uuid.uuid4().hex: random.sample(words, random.randint(1, 6)) for _ in range(n)}
+
+    async def main() -> tuple[list[str], list[dict]]:
+        r = _pool(redis_url, 4)
+        follower = Follower(r, names, poll_s=600)
+        for job_id in texts:
+            await r.hset(names.job(job_id), mapping={"state": "running"})
+
+        async def text(job_id: str) -> str:
+            return "".join([t async for t in follower.deltas(job_id, _no_tick)])
+
+        streams = [asyncio.create_task(text(job_id)) for job_id in texts]
+        ends = [asyncio.create_task(follower.wait_done(job_id, _no_tick)) for job_id in texts]
+        while follower.waiting < 2 * n:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # every waiter has read its record and waits
+        for job_id, pieces in texts.items():
+            async with r.pipeline(transaction=False) as pipe:
+                for piece in pieces:
+                    pipe.xadd(names.stream(job_id), {"type": "delta", "text": piece})
+                pipe.xadd(names.stream(job_id), {"type": "end"})
+                pipe.hset(names.job(job_id), "state", "completed")
+                pipe.publish(names.done_channel(job_id), "completed")
+                await pipe.execute()
+        async with asyncio.timeout(120):
+            got = await asyncio.gather(*streams), await asyncio.gather(*ends)
+        assert follower.waiting == 0
+        await follower.close()
+        await r.aclose()
+        return got
+
+    got_texts, records = asyncio.run(main())
+    assert got_texts == ["".join(p) for p in texts.values()]
+    assert [rec["state"] for rec in records] == ["completed"] * n
+
+
+def test_a_missed_end_still_ends_the_wait(redis_url):
+    """No publish, no end entry: the job's record alone (read every poll_s) ends both waits, with every delta."""
+    names, job_id = Names(key_prefix=f"pfm{uuid.uuid4().hex[:6]}:"), uuid.uuid4().hex
+    pieces = [f"p{random.randrange(10**6)} " for _ in range(random.randint(1, 5))]
+
+    async def main() -> tuple[str, dict]:
+        r = _pool(redis_url, 4)
+        follower = Follower(r, names, poll_s=0.2)
+        await r.hset(names.job(job_id), mapping={"state": "running"})
+        ticks: list[str] = []
+
+        async def tick(rec: dict[str, str]) -> None:
+            ticks.append(rec["state"])
+
+        async def text() -> str:
+            return "".join([t async for t in follower.deltas(job_id, tick)])
+
+        stream, end = asyncio.create_task(text()), asyncio.create_task(follower.wait_done(job_id, tick))
+        await asyncio.sleep(0.5)
+        for piece in pieces:
+            await r.xadd(names.stream(job_id), {"type": "delta", "text": piece})
+        await r.hset(names.job(job_id), "state", "failed")
+        async with asyncio.timeout(30):
+            got = await stream, await end
+        assert "running" in ticks  # a waiting job is ticked
+        await follower.close()
+        await r.aclose()
+        return got
+
+    text, record = asyncio.run(main())
+    assert text == "".join(pieces) and record["state"] == "failed"
+
+
+def test_admission_refuses_past_its_limit_and_releases_once():
+    limit = random.randint(1, 5)
+    admission = Admission(limit)
+    releases = [admission.enter() for _ in range(limit)]
+    with pytest.raises(ApiError) as refused:
+        admission.enter()
+    assert refused.value.status == 503 and refused.value.response().headers["retry-after"] == "2"
+    releases[0]()
+    releases[0]()  # a second release gives back nothing more
+    assert admission.serving == limit - 1
+    admission.enter()
+    with pytest.raises(ApiError):
+        admission.enter()
