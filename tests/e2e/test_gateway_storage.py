@@ -38,6 +38,7 @@ from pagedq.workers.processes import free_port, spawn, stop
 TIMEOUT = 120
 CHAT = "/v1/chat/completions"
 RESULT_TTL_S = 4
+STORES_TTL_S = 2  # result_ttl_s of the tests without a model
 QUOTA_BYTES = 96 << 10
 MAX_FILE_BYTES = 8 << 20
 TENANTS = {  # API key -> its keys-file entry
@@ -71,7 +72,7 @@ def stores(redis_url):
     """The gateway's stores as a uvicorn worker builds them, on fresh prefixes of the session's Redis."""
     prefix = f"pgs{random.randrange(10**6)}"
     settings = Settings(broker_url=redis_url, key_prefix=f"{prefix}:", queue_prefix=f"{prefix}.",
-                        result_ttl_s=RESULT_TTL_S)
+                        result_ttl_s=STORES_TTL_S)
     gw = Gateway(settings, redis_url, GatewayConfig())
     yield gw
     gw.close()
@@ -155,7 +156,7 @@ def test_batch_finalized_when_it_ends_and_records_kept_until_then(stores):
     gw, tenant = stores, Tenant("team")
     batch_id, job_ids = create_batch(gw, tenant, [chat_line(f"c{i}") for i in range(3)])
     end_jobs(gw, job_ids[:1])
-    time.sleep(RESULT_TTL_S + 1)  # the first job's record outlives result_ttl_s while its batch runs
+    time.sleep(STORES_TTL_S + 1)  # the first job's record outlives result_ttl_s while its batch runs
     assert gw.r.exists(gw.names.job(job_ids[0])) and gw.r.ttl(gw.names.job(job_ids[0])) == -1
     end_jobs(gw, job_ids[1:])
     assert gw.r.zscore(gw.names.batches_to_finalize, batch_id) is not None  # queued by the last finish
@@ -164,8 +165,8 @@ def test_batch_finalized_when_it_ends_and_records_kept_until_then(stores):
     meta = gw.r.hgetall(gw.keys.batch(batch_id))
     assert meta["status"] == "completed" and meta["completed"] == "3"
     assert gw.r.zscore(gw.names.batches_to_finalize, batch_id) is None
-    assert 0 < gw.r.ttl(gw.names.job(job_ids[0])) <= RESULT_TTL_S  # records expire from now on
-    time.sleep(RESULT_TTL_S + 1)
+    assert 0 < gw.r.ttl(gw.names.job(job_ids[0])) <= STORES_TTL_S  # records expire from now on
+    time.sleep(STORES_TTL_S + 1)
     assert not any(gw.r.exists(gw.names.job(j)) for j in job_ids)
     done = gw.batches.get(batch_id, tenant)  # first read after every record expired
     assert (done["status"], done["request_counts"]) == ("completed", {"total": 3, "completed": 3, "failed": 0})
