@@ -128,12 +128,7 @@ class BatchStore:
         lines = [prepare_line(line, req.endpoint, tenant.max_priority, default) for line in lines]
         outputs = self._reserve_outputs(tenant)
         try:
-            reservation = self.limits.reserve(tenant, len(lines))
-            try:
-                batch_id = self.client.submit_batch(lines, timeout_s=COMPLETION_WINDOW_S)
-            except BaseException:
-                self.limits.release(tenant, reservation)
-                raise
+            batch_id, reservation = self._submit(tenant, lines)
         except BaseException:
             for file_id in outputs.values():
                 self.files.release(file_id)
@@ -154,6 +149,15 @@ class BatchStore:
         self.limits.commit(tenant, reservation, job_ids)
         return self.get(batch_id, tenant)
 
+    def _submit(self, tenant: Tenant, lines: list[str]) -> tuple[str, str | None]:
+        """(batch id, the tenant's reservation of room for its jobs) once the lines are sent."""
+        reservation = self.limits.reserve(tenant, len(lines))
+        try:
+            return self.client.submit_batch(lines, timeout_s=COMPLETION_WINDOW_S), reservation
+        except BaseException:
+            self.limits.release(tenant, reservation)
+            raise
+
     def _reserve_outputs(self, tenant: Tenant) -> dict[str, str]:
         """Take the places of the batch's output and error files in the tenant's ``max_files`` (429 if none)."""
         suffix = uuid.uuid4().hex[:24]
@@ -164,9 +168,9 @@ class BatchStore:
             if refusal is not None:
                 if kind == "error_file":
                     self.files.release(outputs["output_file"])
-                raise ApiError(refusal.error.status, f"{refusal.error} (a batch keeps room for its output and "
-                                                     "error files)", "input_file_id", refusal.error.code,
-                               refusal.error.retry_after)
+                why = refusal.error
+                raise ApiError(why.status, f"{why} (a batch keeps room for its output and error files)",
+                               "input_file_id", why.code, why.retry_after)
         return outputs
 
     def _input_lines(self, tenant: Tenant, file_id: str) -> list[str]:
@@ -312,7 +316,10 @@ class BatchFinalizer:
             meta = self.r.hgetall(self.keys.batch(batch_id))
             if meta and "status" not in meta:
                 final = self._write(batch_id, meta, lambda: self._renew(keys=[lock], args=[token, FINALIZE_LOCK_S]))
-                self.r.hset(self.keys.batch(batch_id), mapping=final)
+                pipe = self.r.pipeline(transaction=True)
+                pipe.hset(self.keys.batch(batch_id), mapping=final)
+                pipe.expire(self.keys.batch(batch_id), int(meta.get("file_ttl_s", self.file_ttl_s)))  # as its files
+                pipe.execute()
                 meta = {**meta, **{k: str(v) for k, v in final.items()}}
             self._expire_records(batch_id)
             self.r.zrem(self.names.batches_to_finalize, batch_id)
