@@ -32,7 +32,8 @@ from pagedq.store import transport
 from pagedq.store.jobs import JobStore
 from pagedq.store.registry import Heartbeat
 
-LEASE = 4  # PAGEDQ_WORKER_TTL_S: renewals every 1 s, restore passes every 1.3 s
+LEASE = 4  # the deployment's PAGEDQ_WORKER_TTL_S: renewals every 1 s, restore passes every 1.3 s
+UNIT_LEASE = 2  # the transport-only tests' visibility timeout
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -61,7 +62,7 @@ class Consumer:
 
     def __init__(self, url: str, prefix: str, queue: Queue) -> None:
         use_hardened_transport()
-        self.conn = Connection(url, transport_options={"visibility_timeout": LEASE, "global_keyprefix": prefix})
+        self.conn = Connection(url, transport_options={"visibility_timeout": UNIT_LEASE, "global_keyprefix": prefix})
         self.channel = self.conn.channel()
         self.taken: list = []
         self.consumer = self.conn.Consumer(queue, channel=self.channel, callbacks=[lambda b, m: self.taken.append(m)])
@@ -94,7 +95,7 @@ class Renewer(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        while not self.stopped.wait(LEASE / 4):
+        while not self.stopped.wait(UNIT_LEASE / 4):
             try:
                 self.consumer.channel.lease_call(self.client, transport._RENEW, list(self.consumer.channel.qos._delivered))
             except redis_py.RedisError:
@@ -143,14 +144,14 @@ def pair(broker):
 
 def test_a_renewal_between_selection_and_restore_keeps_the_message(pair, broker):
     lively = Renewer(pair.other, broker.url)  # keeps the lease clock stamped, as live consumers do
-    time.sleep(LEASE * 1.3)  # the holder renews nothing: every lease runs out
+    time.sleep(UNIT_LEASE * 1.3)  # the holder renews nothing: every lease runs out
     with pair.other.channel.conn_or_acquire() as client:
         due = pair.other.channel.lease_call(client, transport._DUE, [0])
         assert len(due) == pair.n
         pair.holder.channel.renew_leases()  # the holder renews after the selection, before the restore
         assert not any(pair.other.channel.qos.restore_if_expired(tag, client) for tag in due)
     assert pair.held() == (pair.n, 0)
-    time.sleep(LEASE * 1.3)
+    time.sleep(UNIT_LEASE * 1.3)
     pair.other.restore_pass()
     lively.stop()
     assert pair.held() == (0, pair.n), "a lease that ran out by Redis's clock is restored"
@@ -158,23 +159,23 @@ def test_a_renewal_between_selection_and_restore_keeps_the_message(pair, broker)
 
 def test_after_a_broker_pause_longer_than_the_lease_live_holders_renew_first(pair, broker):
     renewer = Renewer(pair.holder, broker.url)
-    time.sleep(LEASE / 2)
+    time.sleep(UNIT_LEASE / 2)
     renewer.stop()  # its next renewal comes after the pause, and after another consumer's restore pass
-    paused(broker, 2 * LEASE)
+    paused(broker, 2 * UNIT_LEASE)
     pair.other.restore_pass()  # the first lease call after the pause
     assert pair.held() == (pair.n, 0)
     renewer, lively = Renewer(pair.holder, broker.url), Renewer(pair.other, broker.url)
     for _ in range(6):  # a lease and a half: the holder renews, the other consumer keeps looking
-        time.sleep(LEASE / 4)
+        time.sleep(UNIT_LEASE / 4)
         pair.other.restore_pass()
     assert pair.held() == (pair.n, 0), "a live holder keeps its messages across the pause"
     renewer.stop()  # the holder dies: its messages come back once its lease runs out
     start = time.monotonic()
-    wait_until(lambda: pair.other.restore_pass() or pair.held() == (0, pair.n), 4 * LEASE, interval=0.3,
+    wait_until(lambda: pair.other.restore_pass() or pair.held() == (0, pair.n), 4 * UNIT_LEASE, interval=0.3,
                what="the dead holder's messages back on the queue")
     lively.stop()
     print(f"{pair.n} messages of a dead holder restored {time.monotonic() - start:.1f} s after it stopped "
-          f"(lease {LEASE} s)")
+          f"(lease {UNIT_LEASE} s)")
 
 
 # --- attempts: a job taken from a live worker is a second copy, not a restart -----------------------------------
@@ -263,7 +264,7 @@ def assert_ran_once(client: Client, jobs: list[str], counts: dict) -> None:
 def test_a_worker_whose_clock_runs_a_minute_ahead_takes_no_job_from_another(deployment):
     stack, client, rate = deployment
     start = time.monotonic()
-    jobs, counts = run_long_jobs(client, rate, seconds=4 * LEASE)
+    jobs, counts = run_long_jobs(client, rate, seconds=3 * LEASE)
     took = time.monotonic() - start
     print(f"four jobs in {took:.0f} s under a {LEASE} s lease, one worker's clock +60 s")
     assert_ran_once(client, jobs, counts)
@@ -274,7 +275,18 @@ def test_a_worker_whose_clock_runs_a_minute_ahead_takes_no_job_from_another(depl
 
 def test_a_broker_paused_longer_than_the_lease_takes_no_job_from_a_live_worker(deployment, broker):
     stack, client, rate = deployment
-    jobs, counts = run_long_jobs(client, rate, seconds=5 * LEASE, during=lambda: paused(broker, 2 * LEASE))
+    use_hardened_transport()
+    conn = Connection(broker.url, transport_options={"visibility_timeout": LEASE,
+                                                     "global_keyprefix": client.settings.key_prefix})
+    channel = conn.channel()  # one more consumer of the deployment, connected before the pause
+    channel.client.ping()
+
+    def pause_then_restore_first() -> None:  # its restore pass goes out as the broker comes back
+        paused(broker, 2 * LEASE)
+        channel.qos.restore_visible(num=None, interval=1)
+
+    jobs, counts = run_long_jobs(client, rate, seconds=3 * LEASE, during=pause_then_restore_first)
+    conn.release()
     assert_ran_once(client, jobs, counts)
     names = Names.from_settings(client.settings)
     clock = client.r.hgetall(names.lease_clock)
