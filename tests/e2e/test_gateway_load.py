@@ -31,7 +31,7 @@ from pagedq.store.registry import ModelInfo, register_model
 from pagedq.workers.processes import free_port, stop
 
 CHAT = "/v1/chat/completions"
-STREAMS, BLOCKING = 150, 60
+STREAMS, BLOCKING = 120, 40
 
 
 @pytest.fixture(scope="module")
