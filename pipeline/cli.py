@@ -114,10 +114,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             stack.add_gateway(args.http)
             print(f"pagedq up: OpenAI-compatible API on http://127.0.0.1:{args.http}/v1", file=sys.stderr)
         joined = "" if stack.owns_broker else " (joined the running broker)"
+        for verdict in stack.reused:  # registered workers: reused only when shown alive
+            print(f"pagedq up: {verdict.line()}", file=sys.stderr)
         started = sum(c.role == "gpu" for c in stack.children), sum(c.role == "cpu" for c in stack.children)
-        reused = " (reusing the workers already serving it)" if started != (args.gpu_workers, args.cpu_workers) else ""
+        reused = [v.hostname for v in stack.reused if v.alive]
+        reusing = f" (reusing {', '.join(reused)})" if reused else ""
         print(f"pagedq up: broker {mask_url(stack.url)}{joined}; started {started[0]} GPU + {started[1]} CPU "
-              f"worker(s){reused}. Ctrl-C stops what this command started.", file=sys.stderr, flush=True)
+              f"worker(s){reusing}. Ctrl-C stops what this command started.", file=sys.stderr, flush=True)
         exited = stack.wait()
         print(f"{exited.role} worker {exited.hostname} exited ({exited.proc.returncode}); stopping", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
     python scripts/chaos.py                 # every scenario at full size; prints one table
     python scripts/chaos.py gpu_kill redis_pause --jobs 12
+    python scripts/chaos.py all_kill --jobs 12 --min-tokens 16 --max-tokens 120
 
 Each scenario runs its own deployment (a redis-server in a temporary folder, a
 CPU and a GPU worker), submits jobs long enough to be mid-generation when the
@@ -10,6 +11,12 @@ jobs submitted, completed, failed with a clear error (code + message), lost
 (never reached a terminal state), published twice (a terminal state heard
 more than once on the job's done channel), and seconds to recover (from the
 fault until the work it interrupted is running again).  Lost and twice must be 0.
+
+``all_kill`` and ``redis_kill_busy`` strike a busy deployment: 40 greedy jobs
+with max_tokens spread over 32…500 (ignore_eos), most of them running at the
+fault.  ``all_kill`` kills every worker at once and starts a fresh stack that
+reuses live workers, as ``pagedq up`` restarted by a supervisor would;
+``redis_kill_busy`` kills redis-server and restarts it, workers left alone.
 
 The tests (``tests/e2e/test_chaos.py``) run the same scenarios, smaller.
 """
@@ -39,6 +46,7 @@ from pagedq.pipeline.local.stack import Child, Stack
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DEADLINE_S = 900
+RECOVER_WAIT_S = 240  # the busy scenarios give up measuring a recovery after this long (and count what ended)
 
 
 @dataclass
@@ -112,9 +120,51 @@ class Deployment:
             self.stack.wait_ready(600, [new])
         return new
 
-    def submit(self, n: int, max_tokens: int) -> list[str]:
+    def submit(self, n: int, max_tokens: int | list[int]) -> list[str]:
+        tokens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
         return [self.client.submit(prompt=f"Story {i} of {n}, about {random.choice(WORDS)}:",
-                                   max_tokens=max_tokens, **GREEDY) for i in range(n)]
+                                   max_tokens=tokens[i], **GREEDY) for i in range(n)]
+
+    def kill_workers(self) -> list[Child]:
+        """kill -9 of every worker at once, each with its process group (pipeline stages too)."""
+        victims = list(self.stack.children)
+        for child in victims:
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        for child in victims:
+            child.proc.wait()
+        return victims
+
+    def up_again(self) -> Stack:
+        """What a supervisor restarting ``pagedq up`` does: a fresh stack on the same broker, reusing the
+        workers it can show are alive (new names, as a new ``pagedq up`` process would have)."""
+        old = self.stack
+        old.stop()  # its children are gone: nothing to stop, it only forgets them
+        self.stack = Stack(self.settings, log_dir=self.workdir / "logs", reuse_workers=True,
+                           first_index=old.workers_started).start()
+        return self.stack
+
+    def crash_redis(self, down_s: float = 2) -> None:
+        """kill -9 of redis-server; restarted ``down_s`` later on the same port and data dir (its AOF)."""
+        self.redis.proc.send_signal(signal.SIGKILL)
+        self.redis.proc.wait()
+        time.sleep(down_s)
+        self.redis = RedisServer(self.redis.data_dir, write_run_file=False)
+        self.redis.start()
+
+    def snapshot(self, jobs: list[str]) -> dict[str, tuple[str, int]]:
+        """job -> (state, completion tokens so far); one status read per job."""
+        out = {}
+        for job in jobs:
+            s = self.status(job)
+            out[job] = ("done" if s.done else s.state, s.completion_tokens or 0)
+        return out
+
+    def recover(self, predicate: Callable[[], bool], timeout: float = RECOVER_WAIT_S) -> float | None:
+        """Seconds until ``predicate()`` held, or None if it did not within ``timeout``."""
+        try:
+            return self.wait_for(predicate, timeout, poll=0.5)
+        except TimeoutError:
+            return None
 
     def status(self, job: str):
         return self.client.status(job)
@@ -160,6 +210,27 @@ class Deployment:
         if errors:
             row.notes.append("failed with " + ", ".join(f"{code} x{n}" for code, n in errors.most_common()))
         return row
+
+    def diagnose(self, jobs: list[str]) -> str:
+        """Where each job that never ended stands in Redis: its record, its kept message, the active set, and
+        every message naming it on a queue list or in ``unacked``."""
+        from pagedq.store.transport import job_id_of
+
+        n, r = self.client.names, redis.Redis.from_url(self.redis.url, decode_responses=True)
+        holders: dict[str, list[str]] = {}
+        for key in r.scan_iter(match=n.broker_list_pattern, _type="list"):
+            for raw in r.lrange(key, 0, -1):
+                holders.setdefault(job_id_of(json.loads(raw)) or "", []).append(key)
+        for raw in r.hvals(n.unacked):
+            holders.setdefault(job_id_of(json.loads(raw)[0]) or "", []).append("unacked")
+        lines = []
+        for job in jobs:
+            rec = r.hgetall(n.job(job))
+            fields = {k: rec.get(k) for k in ("state", "attempts", "redeliveries", "resent", "worker",
+                                               "completion_tokens", "requeued_at", "resent_at")}
+            lines.append(f"{job}: {fields}; kept message {bool(r.exists(n.job_message(job)))}; "
+                         f"active {r.zscore(n.active_jobs, job) is not None}; messages {holders.get(job, [])}")
+        return "\n".join(lines)
 
     def _terminal(self, job: str) -> bool:
         try:
@@ -257,12 +328,8 @@ def redis_kill(jobs: int = 16, tokens: int = 120) -> Row:
         ids = d.submit(jobs, tokens)
         time.sleep(1.5)  # everything submitted more than a second before the crash must survive it
         d.wait_for(lambda: len(d.running(ids)) >= 2, DEADLINE_S)
-        d.redis.proc.send_signal(signal.SIGKILL)
-        d.redis.proc.wait()
         killed = time.monotonic()
-        time.sleep(2)
-        d.redis = RedisServer(d.redis.data_dir, write_run_file=False)
-        d.redis.start()
+        d.crash_redis()
         d.wait_until_more_ended(ids, sum(d._terminal(j) for j in ids))
         row.recover_s = time.monotonic() - killed
         row.notes.append("same port; workers reconnected by themselves; recover = first job ending after")
@@ -425,15 +492,136 @@ def offline_rate(lines: list[dict]) -> float:
         return len(lines) / (time.monotonic() - start)
 
 
+# --- faults on a busy deployment: long, uneven jobs, most running at the fault ----------------------------
+def spread(n: int, lo: int, hi: int) -> list[int]:
+    """``n`` max_tokens evenly from ``lo`` to ``hi``, in a fresh random order."""
+    values = [lo + round((hi - lo) * i / max(n - 1, 1)) for i in range(n)]
+    random.shuffle(values)
+    return values
+
+
+def busy(jobs: int, **settings: object):
+    """A deployment that runs every job at once (sequences, inflight tasks and KV cache for all of them)."""
+    return deployment(max_num_seqs=jobs, worker_max_inflight=jobs, kv_cache_memory="1GiB", **settings)
+
+
+def until_fault(d: Deployment, ids: list[str]) -> None:
+    """Until the first eighth of the jobs (the shortest) completed, the rest running: the fault strikes while
+    jobs complete now and then, as in a deployment at work (40 jobs: 5 done, 35 running)."""
+    first = max(1, len(ids) // 8)
+    d.wait_for(lambda: sum(d.status(j).done for j in ids) >= first, DEADLINE_S, poll=0.5)
+
+
+def resent(d: Deployment, ids: list[str]) -> int:
+    """Jobs the lost-job sweep sent again (their message had vanished)."""
+    r = redis.Redis.from_url(d.redis.url, decode_responses=True)
+    return sum(bool(r.hget(d.client.names.job(j), "resent")) for j in ids)
+
+
+def settle_busy(d: Deployment, row: Row, ids: list[str], stall_s: float = 120) -> Row:
+    """Wait for every job to end while any of them still moves (state or tokens), then count: long jobs on a
+    busy machine take what they take, and a job stranded by the fault shows as lost within ``stall_s``."""
+    last, moved, deadline = None, time.monotonic(), time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline and time.monotonic() - moved < stall_s:
+        snap = d.snapshot(ids)
+        if all(state == "done" for state, _ in snap.values()):
+            break
+        if snap != last:
+            last, moved = snap, time.monotonic()
+        time.sleep(2)
+    out = d.settle(row, ids, timeout=0)
+    out.notes.append(f"{resent(d, ids)} sent again by the lost-job sweep")
+    if out.lost:
+        lost = [j for j in ids if not d._terminal(j)]
+        print(f"{out.scenario}: {out.lost} job(s) never ended:\n{d.diagnose(lost)}", file=sys.stderr, flush=True)
+        out.notes.append(f"never ended: {', '.join(sorted({d.status(j).state for j in lost}))}")
+    return out
+
+
+def all_kill(jobs: int = 40, lo: int = 32, hi: int = 500, ttl_s: int = 15) -> Row:
+    """kill -9 of every worker at once while most jobs run (a worker host losing power; Redis up), then a fresh
+    stack at once, reusing live workers as ``pagedq up`` does: the dead workers' records (still within their TTL)
+    must not be trusted, and the new workers restore the dead ones' leases.  ``ttl_s``: PAGEDQ_WORKER_TTL_S."""
+    row = Row(f"kill -9 every worker, pagedq up again ({jobs} jobs of {lo}-{hi} tokens)")
+    with busy(jobs, worker_ttl_s=ttl_s) as d:
+        ids = d.submit(jobs, spread(jobs, lo, hi))
+        until_fault(d, ids)
+        d.kill_workers()
+        interrupted = [j for j, (state, _) in d.snapshot(ids).items() if state != "done"]
+        restarted = time.monotonic()
+        stack = d.up_again()
+        new = {c.hostname for c in stack.children if c.role == "gpu"}
+
+        def all_running_again() -> bool:
+            statuses = [d.status(j) for j in interrupted]
+            return all(s.done or (s.worker in new and s.state == "in_progress") for s in statuses)
+
+        recovered = d.recover(all_running_again)
+        row.recover_s = None if recovered is None else time.monotonic() - restarted
+        started = Counter(c.role for c in stack.children)
+        row.notes.append(f"{len(interrupted)} running at the kill; up again started {started['gpu']} GPU + "
+                         f"{started['cpu']} CPU ({'; '.join(v.line() for v in stack.reused) or 'no records'}); "
+                         f"recover = from the restart until all of them run on the new GPU worker (lease {ttl_s} s, "
+                         "its model load included)")
+        return settle_busy(d, row, ids)
+
+
+def redis_kill_busy(jobs: int = 40, lo: int = 32, hi: int = 500, ttl_s: int = 15) -> Row:
+    """kill -9 of redis-server (AOF everysec) while most jobs run, restarted on the same port and data dir;
+    the workers are left alone (they reconnect).  ``ttl_s``: PAGEDQ_WORKER_TTL_S (``pagedq up``'s default)."""
+    row = Row(f"kill -9 redis-server under load, restart ({jobs} jobs of {lo}-{hi} tokens)")
+    with busy(jobs, worker_ttl_s=ttl_s) as d:
+        ids = d.submit(jobs, spread(jobs, lo, hi))
+        until_fault(d, ids)
+        running = [j for j, (state, _) in d.snapshot(ids).items() if state != "done"]
+        d.crash_redis()
+        restarted = time.monotonic()
+        at_restart = d.snapshot(running)
+        # Jobs sent after the restart: the running ones could finish on a worker that no longer consumes.
+        probes = d.submit(max(1, jobs // 8), 8)
+
+        def all_moving() -> bool:
+            now = d.snapshot(running + probes)
+            return all(state == "done" or (state == "in_progress" and tokens != at_restart.get(j, ("", 0))[1])
+                       for j, (state, tokens) in now.items())
+
+        recovered = d.recover(all_moving)
+        row.recover_s = None if recovered is None else time.monotonic() - restarted
+        row.notes.append(f"{len(running)} running at the crash, {len(probes)} more of 8 tokens sent after the "
+                         "restart; recover = from the restart until each of these is generating (tokens moving) "
+                         "or done")
+        return settle_busy(d, row, ids + probes)
+
+
 SCENARIOS: dict[str, Callable[..., Row]] = {
     "gpu_kill": gpu_kill, "cpu_kill": cpu_kill, "stage_kill": stage_kill, "redis_kill": redis_kill,
     "sigterm": sigterm, "redis_pause": redis_pause, "garbage": garbage, "backlog": backlog,
+    "all_kill": all_kill, "redis_kill_busy": redis_kill_busy,
 }
+
+# --jobs / --min-tokens / --max-tokens, for the scenarios that take them
+SIZE_ARGS = {"jobs": "jobs", "min_tokens": "lo", "max_tokens": ("tokens", "hi")}
+
+
+def size_kwargs(scenario: Callable[..., Row], args: argparse.Namespace) -> dict[str, int]:
+    import inspect
+
+    params = inspect.signature(scenario).parameters
+    kwargs = {}
+    for flag, names in SIZE_ARGS.items():
+        value = getattr(args, flag)
+        for name in (names,) if isinstance(names, str) else names:
+            if value is not None and name in params:
+                kwargs[name] = value
+    return kwargs
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    p.add_argument("--jobs", type=int, help="jobs per scenario (default: each scenario's full size)")
+    p.add_argument("--min-tokens", type=int, help="busy scenarios: the smallest max_tokens (default 32)")
+    p.add_argument("--max-tokens", type=int, help="max_tokens (busy scenarios: the largest, default 500)")
     args = p.parse_args()
     unknown = [name for name in args.scenarios if name not in SCENARIOS]
     if unknown:
@@ -441,7 +629,7 @@ def main() -> int:
     rows = []
     for name in args.scenarios or SCENARIOS:
         print(f"running {name}...", file=sys.stderr, flush=True)
-        rows.append(SCENARIOS[name]())
+        rows.append(SCENARIOS[name](**size_kwargs(SCENARIOS[name], args)))
         print(rows[-1].line(), file=sys.stderr, flush=True)
     print(f"\nchaos, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores\n{HEADER}")
     for row in rows:

@@ -52,6 +52,33 @@ def live_workers(r: redis.Redis, names: Names) -> dict[str, dict[str, str]]:
     return {key[len(prefix):]: rec for key, rec in zip(keys, pipe.execute(), strict=True) if rec}
 
 
+def renewed_records(r: redis.Redis, names: Names, hostnames: list[str], within_s: float,
+                    poll_s: float = 0.25) -> set[str]:
+    """The workers among ``hostnames`` whose record is renewed within ``within_s`` seconds from now (its TTL
+    goes back up, or a field changes): only a running worker writes its record, so these are alive.  A record
+    that stays as it was, or expires, outlived its worker (killed -9: the record lasts until its TTL).
+    Judged by changes in Redis alone, so no clock of any host matters."""
+    keys = {h: names.worker(h) for h in hostnames}
+
+    def read() -> dict[str, tuple[dict, int]]:
+        pipe = r.pipeline(transaction=False)
+        for key in keys.values():
+            pipe.hgetall(key)
+            pipe.pttl(key)
+        out = pipe.execute()
+        return {h: (out[2 * i], out[2 * i + 1]) for i, h in enumerate(keys)}
+
+    renewed: set[str] = set()
+    last = read()
+    deadline = time.monotonic() + within_s
+    while len(renewed) < len(keys) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        now = read()
+        renewed |= {h for h, (rec, ttl) in now.items() if rec and (rec != last[h][0] or ttl > last[h][1])}
+        last = now
+    return renewed
+
+
 # KEYS: the record. ARGV: TTL (s), then field, value, ... A beat: the fields, the Redis time of this beat
 # (``beat_at``, on the broker's clock whatever the host's), the TTL itself (``ttl_s``), and the TTL refreshed.
 _BEAT = """

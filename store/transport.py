@@ -37,6 +37,7 @@ import json
 import logging
 from queue import Empty
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
@@ -176,6 +177,21 @@ class Channel(kombu_redis.Channel):
         except _MALFORMED as e:
             log.error("dropped a malformed message (not a kombu JSON envelope): %s: %s", type(e).__name__, e)
             return True
+
+    def _connparams(self, asynchronous=False):
+        """A channel whose connection is gone raises a connection error, as any other use of a dead broker.
+
+        After a broker error Celery collects the consumer's connection (the transport's client is dropped,
+        a closed channel's connection too) and opens a new one; a channel closed then, or a task delivered on
+        it that ends later, restores or acknowledges its messages through a pool rebuilt from that connection.
+        kombu raised AttributeError there, which Celery takes as unrecoverable: the worker stopped consuming
+        for good (its jobs sat ``queued`` once their leases ran out).  As a connection error it is logged
+        and passed over; the messages stay in ``unacked``, no longer renewed, and a live consumer restores them
+        when their lease runs out (a copy of a job that already ended is skipped).
+        """
+        if self.connection is None or self.connection.client is None:
+            raise redis.exceptions.ConnectionError("this channel's broker connection was closed")
+        return super()._connparams(asynchronous=asynchronous)
 
     def _get(self, queue):
         try:

@@ -1,20 +1,25 @@
 """Running a Celery worker the pagedq way (GPU and CPU workers alike).
 
-The worker's Redis record (``names.worker(hostname)``: role, pid, ready) is
-kept alive by a heartbeat while the process runs, and marked ``ready`` once
+The worker's Redis record (``names.worker(hostname)``: role, ready, and who it
+is: host, boot id, pid namespace, pid and the pid's start time, ``started_at``)
+is kept alive by a heartbeat while the process runs, and marked ``ready`` once
 Celery's consumer is up; then Celery's own worker loop runs until shutdown.
+A record can outlive its process by up to its TTL (kill -9): ``pagedq up``
+reuses a worker only when it can show the process still runs (its pid on this
+host, or a fresh heartbeat), see ``pipeline.local.stack``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import time
 
 import redis
 from celery import Celery, signals
 from celery.exceptions import Reject
 
 from pagedq.store.registry import Heartbeat
+from pagedq.workers.processes import process_identity
 
 
 class _NoTracebackForRequeues(logging.Filter):
@@ -29,7 +34,8 @@ class _NoTracebackForRequeues(logging.Filter):
 def run_celery_worker(app: Celery, r: redis.Redis, record_key: str, record: dict, *, queues: list[str],
                       concurrency: int, hostname: str, loglevel: str = "INFO", ttl_s: int = 15) -> None:
     logging.getLogger("celery.app.trace").addFilter(_NoTracebackForRequeues())
-    Heartbeat(r, record_key, {**record, "pid": os.getpid(), "ready": 0}, ttl_s).start()
+    identity = {**process_identity(), "started_at": time.time()}
+    Heartbeat(r, record_key, {**record, **identity, "ready": 0}, ttl_s).start()
     signals.worker_ready.connect(lambda **_: r.hset(record_key, "ready", 1), weak=False)
     app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues", ",".join(queues),
                      "--hostname", hostname, "--without-gossip", "--without-mingle", "--loglevel", loglevel])

@@ -1,4 +1,5 @@
-"""Child processes that never outlive their parent (Redis, workers, stages), free ports, worker names."""
+"""Child processes that never outlive their parent (Redis, workers, stages), free ports, worker names, and
+whether a process recorded by a worker (on this host) still runs."""
 
 from __future__ import annotations
 
@@ -81,6 +82,51 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22), or "" when no
+    such process runs here (or this is not Linux).  Two processes with one pid never share it."""
+    stat = _read(f"/proc/{pid}/stat")
+    # comm (field 2) may hold spaces and parentheses; the fields after it follow its last ')'
+    return stat.rsplit(")", 1)[1].split()[19] if stat else ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def process_identity() -> dict[str, str]:
+    """Fields that name this process uniquely to another process on the same host: the host, its boot, the pid
+    namespace, the pid and the pid's start time.  Empty strings where the platform has no /proc."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "pid_ns": _pid_namespace(), "pid": str(pid), "pid_start": start_ticks(pid)}
+
+
+def same_pid_space(record: dict[str, str]) -> bool:
+    """True when ``record`` (a worker's, with ``process_identity`` fields) names a process whose pid means the
+    same here: same host, same boot, same pid namespace.  False when it cannot be shown (old record, no /proc)."""
+    here = process_identity()
+    return bool(record.get("pid_start")) and all(here[k] and record.get(k) == here[k]
+                                                 for k in ("host", "boot_id", "pid_ns"))
+
+
+def recorded_process_running(record: dict[str, str]) -> bool:
+    """Whether the process ``record`` names still runs (only meaningful when ``same_pid_space(record)``): its pid
+    exists and started when the record says, so a pid reused by another process does not count."""
+    pid = record.get("pid", "")
+    return pid.isdigit() and start_ticks(int(pid)) == record.get("pid_start")
 
 
 def worker_hostname(role: str, index: int | None = None) -> str:

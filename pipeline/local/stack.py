@@ -6,6 +6,13 @@ one is already running), GPU workers (``pagedq worker``) and CPU workers
 ``pagedq run-batch`` (queued), the benchmark and the tests all use it.  Stop
 order: GPU workers (their running jobs go back to the queue), CPU workers,
 then the broker, so nothing is left behind.
+
+With ``reuse_workers`` (``pagedq up``) a role already served is not started
+again, but only by workers shown to be alive: a killed worker's record lasts
+until its TTL, and trusting it would leave a restarted deployment with no
+worker at all (and nobody to restore the dead one's leases).  On this host a
+record's pid must still run and have started when the record says; a worker
+elsewhere must renew its record within a heartbeat interval.
 """
 
 from __future__ import annotations
@@ -18,14 +25,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
+import redis
 from pydantic import SecretStr
 
 from pagedq.config import Settings
 from pagedq.config.names import Names
 from pagedq.pipeline.local.redis_server import ensure_broker
 from pagedq.store.connection import redis_client
-from pagedq.store.registry import live_workers
-from pagedq.workers.processes import spawn, stop, wait_or_kill, worker_hostname
+from pagedq.store.registry import live_workers, renewed_records
+from pagedq.workers.processes import (
+    recorded_process_running,
+    same_pid_space,
+    spawn,
+    stop,
+    wait_or_kill,
+    worker_hostname,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +51,41 @@ class Child:
     role: str  # "gpu" | "cpu"
     proc: Popen
     log_path: Path | None
+
+
+@dataclass
+class Reuse:
+    """Whether ``pagedq up`` reuses a worker it found registered, and why."""
+    hostname: str
+    role: str
+    alive: bool
+    why: str
+
+    def line(self) -> str:
+        return f"reusing {self.hostname} ({self.why})" if self.alive else f"ignoring {self.hostname}: {self.why}"
+
+
+def judge_workers(r: redis.Redis, names: Names, records: dict[str, dict[str, str]], ttl_s: float) -> list[Reuse]:
+    """Which registered workers still run.  Same pid space (host, boot, pid namespace): the recorded pid runs
+    and started when recorded.  Elsewhere (or an old record without those fields): its record is renewed within
+    one heartbeat interval (a third of the TTL) plus a second; all such records are watched at once."""
+    verdicts: dict[str, Reuse] = {}
+    remote = []
+    for host, rec in records.items():
+        if not same_pid_space(rec):
+            remote.append(host)
+        elif recorded_process_running(rec):
+            verdicts[host] = Reuse(host, rec.get("role", ""), True, f"pid {rec['pid']}, alive")
+        else:
+            verdicts[host] = Reuse(host, rec.get("role", ""), False, f"pid {rec.get('pid', '?')} is not running")
+    if remote:
+        window = ttl_s / 3 + 1
+        renewed = renewed_records(r, names, remote, window)
+        for host in remote:
+            role, where = records[host].get("role", ""), records[host].get("host") or "another host"
+            verdicts[host] = (Reuse(host, role, True, f"on {where}, heartbeat seen") if host in renewed else
+                              Reuse(host, role, False, f"on {where}, no heartbeat within {window:.0f} s"))
+    return [verdicts[host] for host in records]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -53,7 +103,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
 class Stack:
     def __init__(self, settings: Settings, model: str | None = None, gpu_workers: int = 1, cpu_workers: int = 1,
                  log_dir: Path | None = None, reuse_workers: bool = False, loglevel: str = "INFO",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, first_index: int = 0) -> None:
         self.settings = settings
         self.model = model or settings.model
         self.num_gpu, self.num_cpu = gpu_workers, cpu_workers
@@ -63,7 +113,8 @@ class Stack:
         self.env = env or {}
         self.names = Names.from_settings(settings)
         self.children: list[Child] = []
-        self._started = 0  # children ever started: a replacement gets a name (and log file) of its own
+        self._started = first_index  # children ever started: a replacement gets a name (and log file) of its own
+        self.reused: list[Reuse] = []  # with reuse_workers: the registered workers judged, alive or not
         self.url: str | None = None
         self.owns_broker = False  # started the embedded redis-server (and stops it)
         self._exit = ExitStack()
@@ -87,10 +138,19 @@ class Stack:
     def _workers_needed(self) -> tuple[int, int]:
         if not self.reuse_workers:
             return self.num_gpu, self.num_cpu
-        live = [w for w in live_workers(redis_client(self.url, settings=self.settings), self.names).values() if w.get("ready") == "1"]
-        has_gpu = any(w.get("role") == "gpu" and w.get("model") == self.model for w in live)
-        has_cpu = any(w.get("role") == "cpu" for w in live)
-        return (0 if has_gpu else self.num_gpu), (0 if has_cpu else self.num_cpu)
+        r = redis_client(self.url, settings=self.settings)
+        serving = {host: rec for host, rec in live_workers(r, self.names).items() if rec.get("ready") == "1" and
+                   (rec.get("role") == "cpu" or (rec.get("role") == "gpu" and rec.get("model") == self.model))}
+        self.reused = judge_workers(r, self.names, serving, self.settings.worker_ttl_s)
+        for verdict in self.reused:
+            log.info("%s", verdict.line())
+        alive = {v.role for v in self.reused if v.alive}
+        return (0 if "gpu" in alive else self.num_gpu), (0 if "cpu" in alive else self.num_cpu)
+
+    @property
+    def workers_started(self) -> int:
+        """Children ever started (names are numbered from it; a stack restarted after this one can go on)."""
+        return self._started
 
     def _next_hostname(self, role: str) -> str:
         self._started += 1
@@ -144,7 +204,8 @@ class Stack:
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.role} worker {child.hostname} exited with {child.proc.returncode}"
                                        + (f"; see {child.log_path}" if child.log_path else ""))
-                if r.hget(self.names.worker(child.hostname), "ready") == "1":
+                # its own record: a dead worker's of the same name says ready until it expires
+                if r.hmget(self.names.worker(child.hostname), "ready", "pid") == ["1", str(child.proc.pid)]:
                     pending.remove(child)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers not ready after {timeout} s: {[c.hostname for c in pending]}")

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+import time
+
 import chaos
 import pytest
+
+from pagedq.config import Settings
+from pagedq.config.names import Names
+from pagedq.pipeline import Client
+from pagedq.pipeline.local.redis_server import RedisServer
+from pagedq.pipeline.local.stack import Stack, judge_workers
 
 
 def check(row: chaos.Row, min_completed: int) -> None:
@@ -56,3 +67,105 @@ def test_generated_bad_requests_and_garbage(bad):
 
 def test_backlog_of_short_jobs():
     check(chaos.backlog(jobs=100), 100)
+
+
+def test_kill_every_worker_and_up_again():
+    """Every worker killed -9 at once while most jobs run, then a fresh stack reusing live workers (``pagedq up``
+    restarted): it must ignore the dead workers' unexpired records, and its workers restore their leases.
+    12 jobs of 16…120 tokens, lease 6 s (full size, ``python scripts/chaos.py all_kill``: 40 jobs of 32…500,
+    lease 15 s)."""
+    row = chaos.all_kill(jobs=12, lo=16, hi=120, ttl_s=6)
+    check(row, 12)
+    assert "ignoring" in row.notes[0] and "reusing" not in row.notes[0], row.notes[0]
+    assert "started 1 GPU + 1 CPU" in row.notes[0]
+    assert row.recover_s is not None and row.recover_s <= 30
+
+
+def test_kill_and_restart_redis_under_load():
+    """redis-server killed -9 (AOF everysec) while most jobs run, restarted on the same port and data dir, the
+    workers left alone: every job completes once, and every interrupted job is generating again (or done)
+    within 30 s of the restart.  12 jobs of 16…120 tokens, lease 6 s (full size, ``python scripts/chaos.py
+    redis_kill_busy``: 40 jobs of 32…500, lease 15 s)."""
+    row = chaos.redis_kill_busy(jobs=12, lo=16, hi=120, ttl_s=6)
+    check(row, 12)
+    assert row.recover_s is not None and row.recover_s <= 30
+
+
+IDENTITY = "from pagedq.workers.processes import process_identity as p; import json, time; " \
+           "print(json.dumps(p()), flush=True); time.sleep(60)"
+
+
+def test_up_reuses_only_workers_shown_alive(redis):
+    """``pagedq up``'s judgement of registered workers, on real processes and the real Redis: on this host a
+    worker counts only while its recorded pid runs and is the same process (a killed one, and a record naming
+    this pid with another start time, do not); elsewhere only while its record is renewed."""
+    import json
+
+    names = Names(key_prefix=f"reuse{time.time_ns()}:")
+    procs = [subprocess.Popen([sys.executable, "-c", IDENTITY], stdout=subprocess.PIPE, text=True) for _ in "ab"]
+    try:
+        alive, killed = (json.loads(p.stdout.readline()) for p in procs)
+        procs[1].kill()
+        procs[1].wait()
+        reused_pid = {**alive, "pid_start": "1"}  # the pid of a process that started at another time
+        records = {"gpu0.1@here": {**alive, "role": "gpu"}, "cpu0.1@here": {**killed, "role": "cpu"},
+                   "gpu1.1@here": {**reused_pid, "role": "gpu"},
+                   "gpu0.2@far": {"role": "gpu", "host": "far", "pid": "7"},
+                   "cpu0.2@far": {"role": "cpu", "host": "far", "pid": "8"}}
+        for host, rec in records.items():
+            redis.hset(names.worker(host), mapping=rec)
+            redis.expire(names.worker(host), 60)
+        stop = threading.Event()
+
+        def heartbeat() -> None:  # only gpu0.2@far's worker runs
+            while not stop.wait(0.5):
+                redis.expire(names.worker("gpu0.2@far"), 60)
+
+        threading.Thread(target=heartbeat, daemon=True).start()
+        verdicts = {v.hostname: v for v in judge_workers(redis, names, records, ttl_s=3)}
+        stop.set()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert {h for h, v in verdicts.items() if v.alive} == {"gpu0.1@here", "gpu0.2@far"}
+    assert verdicts["gpu0.1@here"].line() == f"reusing gpu0.1@here (pid {alive['pid']}, alive)"
+    assert verdicts["cpu0.1@here"].line() == f"ignoring cpu0.1@here: pid {killed['pid']} is not running"
+    assert verdicts["gpu1.1@here"].line() == f"ignoring gpu1.1@here: pid {alive['pid']} is not running"
+    assert verdicts["cpu0.2@far"].line() == "ignoring cpu0.2@far: on far, no heartbeat within 2 s"
+
+
+def test_worker_consumes_again_after_broker_crash(tmp_path):
+    """A worker that holds a message and waits on its queue (BRPOP) when redis-server is killed -9 reconnects
+    and consumes again.  kombu used to close that channel after Celery had dropped the transport's client, and
+    restoring the held messages then raised AttributeError, which Celery takes as unrecoverable: the worker
+    never consumed again, and the jobs it held sat ``queued`` once their leases ran out (the strand of
+    ``redis_kill_busy``).  No model: a CPU worker alone holds each job's preprocess (an ETA retry while it waits
+    for a model) and ends it ``model_not_found`` after ``model_wait_s``."""
+    server = RedisServer(tmp_path / "redis", write_run_file=False)
+    server.start()
+    settings = Settings(broker_url=server.url, model_wait_s=3, worker_ttl_s=6, result_cache=False)
+    try:
+        with Stack(settings, gpu_workers=0, cpu_workers=1, log_dir=tmp_path / "logs") as stack:
+            client = Client(settings, server.url)
+            held = client.submit(prompt="held at the crash", max_tokens=4)
+            time.sleep(2)  # taken, retried once, held; and more than AOF's last second ago
+            server.proc.kill()
+            server.proc.wait()
+            time.sleep(1)
+            server = RedisServer(server.data_dir, write_run_file=False)
+            server.start()
+            after = client.submit(prompt="sent after the restart", max_tokens=4)
+            for job in (held, after):
+                deadline = time.monotonic() + 60
+                while not client.status(job).done and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                status = client.status(job)
+                assert status.done, f"{job} still {status.state}: the worker stopped consuming"
+                assert status.error["code"] == "model_not_found"
+            [worker] = stack.children
+            assert worker.proc.poll() is None
+            assert "Unrecoverable error" not in worker.log_path.read_text()
+            client.close()
+    finally:
+        server.stop()
