@@ -105,6 +105,10 @@ def celery_config(settings: Settings, url: str) -> dict:
             # Sweep for expired leases every few seconds (kombu's default is ~100 s).
             "unacked_restore_interval": max(lease / 3, 0.5),
             "unacked_restore_throttle": 1,
+            # The restore pass's lock lasts a lease, not kombu's 300 s: one left by a restorer killed mid-pass
+            # (or kept by the append-only file across a broker crash) would stop every restore that long.
+            # Two passes at once are safe anyway: each tag is re-checked inside its own transaction.
+            "unacked_mutex_expire": max(lease, 1),
             "global_keyprefix": settings.key_prefix,
         },
         accept_content=["json"],
