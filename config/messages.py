@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from pydantic import TypeAdapter, ValidationError
 
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import SchedulingMeta
 
 T = TypeVar("T")
 
@@ -78,6 +79,8 @@ class PreprocessJob:
     job_id: str
     url: str  # /v1/chat/completions or /v1/completions
     body: dict
+    # Who the job is charged to and how urgent it is; the default keeps messages from older producers parsing.
+    meta: SchedulingMeta = field(default_factory=SchedulingMeta)
 
     def describe(self) -> str:
         """What Flower shows as the task's arguments: the job, not a wall of prompt text."""
@@ -86,8 +89,8 @@ class PreprocessJob:
         text = messages[-1].get("content", "") if isinstance(messages, list) and messages and \
             isinstance(messages[-1], dict) else b.get("prompt", "")
         size = f"{len(text)} chars" if isinstance(text, str) else f"{len(text)} token ids"
-        return (f"job={self.job_id} model={b.get('model')} priority={b.get('priority')} "
-                f"prompt={_preview(text) if isinstance(text, str) else '[token ids]'} ({size})")
+        return (f"job={self.job_id} model={b.get('model')} tenant={self.meta.tenant} "
+                f"priority={b.get('priority')} prompt={_preview(text) if isinstance(text, str) else '[token ids]'} ({size})")
 
 
 @dataclass
@@ -99,9 +102,10 @@ class GenerateJob:
     params: SamplingParams
     priority: int
     stream: bool = False
+    meta: SchedulingMeta = field(default_factory=SchedulingMeta)  # ``meta.priority`` equals ``priority``
 
     def describe(self) -> str:
-        return (f"job={self.job_id} model={self.model} priority={self.priority} "
+        return (f"job={self.job_id} model={self.model} tenant={self.meta.tenant} priority={self.priority} "
                 f"prompt_tokens={len(self.prompt_token_ids)} max_tokens={self.params.max_tokens}")
 
 
