@@ -208,6 +208,16 @@ class Names:
         """Counter: jobs of the model accepted and not yet ended (bounded by ``max_queued_jobs``)."""
         return f"{self.key_prefix}backlog:{model_slug(model)}"
 
+    def tenant_backlog(self, model: str, tenant: str) -> str:
+        """Counter: the tenant's jobs of the model accepted and not yet ended (bounded by
+        ``ceil(tenant_backlog_share x max_queued_jobs)``)."""
+        return f"{self.key_prefix}backlog:{model_slug(model)}:tenant:{tenant}"
+
+    @property
+    def tenant_weights(self) -> str:
+        """Hash: tenant -> weight (a float as a string; missing = 1.0), written by whoever submits for it."""
+        return f"{self.key_prefix}tenant_weights"
+
     # --- workers and models ---------------------------------------------------
     def model(self, model: str) -> str:
         """Hash: a served model's name, fingerprint, max_model_len, vocab_size."""

@@ -24,6 +24,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from pagedq.config.scheduling import DEFAULT_TENANT
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -117,6 +119,16 @@ class Settings(BaseSettings):
                                    "running ones finish for this long, then puts the rest back on the queue")
     max_queued_jobs: int = Field(100_000, ge=1, description="jobs of one model accepted and not yet ended; "
                                  "beyond it submit raises RequestError(code='queue_full') and writes nothing")
+    tenant: str = Field(DEFAULT_TENANT, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                        description="the tenant a Python producer's jobs are charged to (Client(tenant=...))")
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict, description='JSON map tenant -> weight (> 0, default 1), e.g. {"team-a": 2}: a '
+                                          "tenant's share of service within a priority band is its weight's share")
+    tenant_backlog_share: float = Field(
+        0.5, gt=0, le=1, description="one tenant's jobs of a model accepted and not yet ended are at most "
+                                     "ceil(this x max_queued_jobs); beyond it its submits get queue_full")
+    batch_priority: int | None = Field(None, ge=0, le=9, description="priority of batch jobs (Batches API, "
+                                       "submit_batch, run-batch) whose line sets none; unset = default_priority")
     max_attempts: int = Field(3, ge=1, description="starts of a job whose worker dies each time before it "
                                                   "fails with code 'poison'")
     send_grace_s: float = Field(30, gt=0, description="the lost-job sweep looks for a job's message only once its "
@@ -148,6 +160,14 @@ class Settings(BaseSettings):
     @classmethod
     def _sizes(cls, value: int | str) -> int:
         return parse_bytes(value)
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _weights(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {t: w for t, w in value.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant weights must be > 0: {bad}")
+        return value
 
     @property
     def redis_data_dir(self) -> Path:
