@@ -74,6 +74,10 @@ def _preview(text: str, limit: int = 60) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
+def _as_meta(meta: SchedulingMeta | dict) -> SchedulingMeta:
+    return SchedulingMeta.from_dict(meta) if isinstance(meta, dict) else meta
+
+
 @dataclass
 class PreprocessJob:
     job_id: str
@@ -81,6 +85,9 @@ class PreprocessJob:
     body: dict
     # Who the job is charged to and how urgent it is; the default keeps messages from older producers parsing.
     meta: SchedulingMeta = field(default_factory=SchedulingMeta)
+
+    def __post_init__(self) -> None:
+        self.meta = _as_meta(self.meta)  # built from a stored message's JSON (``PreprocessJob(**json)``)
 
     def describe(self) -> str:
         """What Flower shows as the task's arguments: the job, not a wall of prompt text."""
@@ -103,6 +110,9 @@ class GenerateJob:
     priority: int
     stream: bool = False
     meta: SchedulingMeta = field(default_factory=SchedulingMeta)  # ``meta.priority`` equals ``priority``
+
+    def __post_init__(self) -> None:
+        self.meta = _as_meta(self.meta)
 
     def describe(self) -> str:
         return (f"job={self.job_id} model={self.model} tenant={self.meta.tenant} priority={self.priority} "

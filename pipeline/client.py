@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,7 @@ from pagedq.config import Settings, get_settings
 from pagedq.config.celery_app import make_celery, send_preprocess
 from pagedq.config.messages import PreprocessJob, check_context, to_json
 from pagedq.config.names import TERMINAL_STATES, JobState, Names
+from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline.postprocess import batch_output_line
 from pagedq.pipeline.protocol import (
     CHAT_URL,
@@ -53,6 +55,15 @@ from pagedq.store.result_cache import ResultCache, is_deterministic, request_dig
 
 _TERMINAL = {s.value for s in TERMINAL_STATES}
 T = TypeVar("T")
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9._@-]{1,128}")  # the gateway keys file's tenant names
+WEIGHT_REFRESH_S = 60.0  # a producer writes its tenant's weight into Redis at most this often
+
+
+def check_tenant(tenant: str) -> str:
+    """``tenant`` if it is a valid tenant name (letters, digits, ``._@-``; 1-128 characters), else RequestError."""
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
+        raise RequestError(f"tenant: {tenant!r} is not a tenant name (1-128 of A-Z a-z 0-9 . _ @ -)", "tenant")
+    return tenant
 
 
 class JobNotFoundError(KeyError):
@@ -73,6 +84,7 @@ class JobStatus:
     id: str
     state: str
     priority: int = 5
+    tenant: str = "default"
     kind: str | None = None
     model: str | None = None
     created_at: float | None = None
@@ -160,8 +172,15 @@ def _broker_call(method: Callable[..., T]) -> Callable[..., T]:
 
 
 class Client:
-    def __init__(self, settings: Settings | None = None, broker_url: str | None = None) -> None:
+    """A producer.  Its jobs are charged to ``tenant`` (default ``PAGEDQ_TENANT``), whose weight
+    (``PAGEDQ_TENANT_WEIGHTS``, or ``weights``) it writes where the dispatcher reads it (``names.tenant_weights``)."""
+
+    def __init__(self, settings: Settings | None = None, broker_url: str | None = None,
+                 tenant: str | None = None) -> None:
         self.settings = settings or get_settings()
+        self.tenant = check_tenant(tenant or self.settings.tenant)
+        self.weights: dict[str, float] = dict(self.settings.tenant_weights)  # tenant -> weight; missing: 1.0
+        self._weights_written: dict[str, float] = {}  # tenant -> monotonic time its weight was last written
         url = broker_url or find_broker_url(self.settings)
         self.r = redis_client(url, self.settings.broker_timeout_s, self.settings)
         self.names = Names.from_settings(self.settings)
@@ -185,15 +204,18 @@ class Client:
     # --- submitting -----------------------------------------------------------
     @_broker_call
     def submit(self, messages: list[dict] | None = None, *, prompt: str | list[int] | None = None,
-               priority: int | None = None, timeout_s: float | None = None, **fields_) -> str:
+               priority: int | None = None, timeout_s: float | None = None, tenant: str | None = None,
+               **fields_) -> str:
         """Enqueue a chat (``messages``) or text (``prompt``) request; returns its job id at once.
 
         ``fields_`` are OpenAI request fields (model, max_tokens, temperature, stop, seed, ...).
         ``priority`` is 0-9, 9 most urgent (default ``settings.default_priority``).  A job not
-        started within ``timeout_s`` seconds ends 'expired'.
+        started within ``timeout_s`` seconds ends 'expired'.  ``tenant`` (default the client's) is whom
+        the job is charged to; its share of a model's backlog is bounded (``PAGEDQ_TENANT_BACKLOG_SHARE``).
         """
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
             raise RequestError("timeout_s: must be a number of seconds >= 0", "timeout_s")
+        tenant = check_tenant(tenant or self.tenant)
         if priority is not None:
             fields_["priority"] = priority
         fields_.setdefault("priority", self.settings.default_priority)
@@ -201,9 +223,12 @@ class Client:
         req = self.validate(url, body)
         job_id = self._new_job_id()
         cache_key, cached = self._cache_lookup(url, req)
-        msg = self._preprocess_message(job_id, url, req)
-        self.store.create([(job_id, self._job_record(req, timeout_s, **cache_key))], self.settings.max_queued_jobs,
-                          messages={job_id: json.dumps(to_json(msg))})
+        record = self._job_record(req, timeout_s, tenant=tenant, **cache_key)
+        msg = self._preprocess_message(job_id, url, req, record)
+        self._write_weights([tenant])
+        self.store.create([(job_id, record)], self.settings.max_queued_jobs,
+                          messages={job_id: json.dumps(to_json(msg))},
+                          tenant_share=self.settings.tenant_backlog_share)
         if cached is not None:
             self._answer_from_cache(job_id, cached)
             return job_id
@@ -298,20 +323,39 @@ class Client:
     def _new_job_id(self) -> str:
         return uuid.uuid4().hex
 
-    def _job_record(self, req: AnyRequest, timeout_s: float | None, **extra) -> dict:
+    def _job_record(self, req: AnyRequest, timeout_s: float | None, tenant: str | None = None, **extra) -> dict:
+        created = now()
         rec = {"state": JobState.QUEUED.value, "priority": req.priority, "model": req.model,
-               "kind": "chat" if isinstance(req, ChatCompletionRequest) else "text", "created_at": now(),
-               "attempts": 0, "stream": int(req.stream), **extra}
+               "kind": "chat" if isinstance(req, ChatCompletionRequest) else "text", "created_at": created,
+               "attempts": 0, "stream": int(req.stream), "tenant": tenant or self.tenant, **extra}
         if timeout_s is not None:
-            rec["expires_at"] = now() + timeout_s
+            rec["expires_at"] = created + timeout_s
         return rec
 
-    @staticmethod
-    def _preprocess_message(job_id: str, url: str, req: AnyRequest) -> PreprocessJob:
-        return PreprocessJob(job_id, url, req.model_dump(mode="json", exclude_none=True))
+    def _preprocess_message(self, job_id: str, url: str, req: AnyRequest, record: dict | None = None) -> PreprocessJob:
+        """The job's first message, carrying its ``SchedulingMeta`` as its record states it."""
+        rec = record or self._job_record(req, None)
+        meta = SchedulingMeta(tenant=rec["tenant"], priority=req.priority, deadline=rec.get("expires_at"),
+                              arrival=rec["created_at"])
+        return PreprocessJob(job_id, url, req.model_dump(mode="json", exclude_none=True), meta)
+
+    def _write_weights(self, tenants: Iterable[str]) -> None:
+        """Write the weights this producer knows for ``tenants`` into ``names.tenant_weights`` (at most every
+        ``WEIGHT_REFRESH_S`` per tenant; a tenant without a known weight is left as it is: missing = 1.0)."""
+        due = {t: self.weights[t] for t in set(tenants) if t in self.weights
+               and time.monotonic() - self._weights_written.get(t, -WEIGHT_REFRESH_S) >= WEIGHT_REFRESH_S}
+        if due:
+            self.r.hset(self.names.tenant_weights, mapping={t: repr(float(w)) for t, w in due.items()})
+            self._weights_written.update(dict.fromkeys(due, time.monotonic()))
 
     def _send(self, msg: PreprocessJob, priority: int) -> None:
         send_preprocess(self.app, msg, priority)
+
+    @property
+    def batch_priority(self) -> int:
+        """The priority of a batch line that sets none (``PAGEDQ_BATCH_PRIORITY``, default ``default_priority``)."""
+        p = self.settings.batch_priority
+        return self.settings.default_priority if p is None else p
 
     # --- following jobs -------------------------------------------------------
     @_broker_call
@@ -393,12 +437,15 @@ class Client:
     # --- batches --------------------------------------------------------------
     @_broker_call
     def submit_batch(self, lines: Iterable[str | dict], priority: int | None = None,
-                     timeout_s: float | None = None) -> str:
+                     timeout_s: float | None = None, *, tenant: str | None = None) -> str:
         """Enqueue an OpenAI Batch (JSONL lines or dicts); returns the batch id.
 
         A bad line does not stop the batch: it becomes a failed job whose output line carries
-        the error, as in ``run-batch --offline``.
+        the error, as in ``run-batch --offline``.  ``priority`` overrides every line's; otherwise a line
+        without one runs at ``settings.batch_priority`` (default: ``default_priority``).  Every job is
+        charged to ``tenant`` (default the client's).
         """
+        tenant = check_tenant(tenant or self.tenant)
         items = [self._parse_line(line, priority) for line in _batch_lines(lines)]
         batch_id = f"batch_{uuid.uuid4().hex}"
         bkey, jobs_key = self.names.batch(batch_id), self.names.batch_jobs(batch_id)
@@ -409,14 +456,16 @@ class Client:
             extra = {"batch_id": batch_id, "batch_key": bkey, "custom_id": custom_id or ""}
             if err is not None:
                 records.append((job_id, {"state": JobState.QUEUED.value, "created_at": now(), "attempts": 0,
-                                         **extra}))
+                                         "tenant": tenant, **extra}))
             else:
-                records.append((job_id, self._job_record(req, timeout_s, **extra, **cache_key)))
-                msgs[job_id] = self._preprocess_message(job_id, url, req)
+                records.append((job_id, self._job_record(req, timeout_s, tenant=tenant, **extra, **cache_key)))
+                msgs[job_id] = self._preprocess_message(job_id, url, req, records[-1][1])
         batch = {"state": "in_progress", "total": len(items), "created_at": now(), "jobs_key": jobs_key,
                  "done_channel": self.names.batch_done_channel(batch_id)}
+        self._write_weights([tenant])
         self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids),
-                          messages={j: json.dumps(to_json(m)) for j, m in msgs.items()})
+                          messages={j: json.dumps(to_json(m)) for j, m in msgs.items()},
+                          tenant_share=self.settings.tenant_backlog_share)
         loop = _SendLoop(self.store, job_ids)
         try:
             for job_id, (_, req, _url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
@@ -446,6 +495,8 @@ class Client:
             body = req.model_dump(exclude_none=True)
             if priority is not None:
                 body["priority"] = priority
+            elif "priority" not in req.model_fields_set:
+                body["priority"] = self.batch_priority
             return custom_id, self.validate(url, body), url, None
         except RequestError as e:
             return e.custom_id or custom_id, None, None, e

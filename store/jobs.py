@@ -22,6 +22,7 @@ single Redis, which is what a Celery broker is.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import redis
@@ -64,8 +65,10 @@ end
 return 'ok'
 """
 
-# KEYS: the active-jobs set, one backlog counter per model, the job hashes, then [batch hash, batch job list].
+# KEYS: the active-jobs set, the backlog counters (one per model, one per (model, tenant)), the job hashes, then
+# [batch hash, batch job list].
 # ARGV: max queued jobs per model, number of counters, JSON {"now": time, "need": [jobs per counter],
+#       "bounds": [the bound of each counter] (absent: ARGV[1] for all),
 #       "jobs": [[k, v, ...], ...], "ids": [job ids], "messages": [[key, message], ...],
 #       "batch": [k, v, ...] or null, "batch_jobs": [job ids], "grace": send grace in seconds,
 #       "queues": [the generate queues of the jobs' models]}; the job-queues set is the last key.
@@ -75,7 +78,8 @@ _CREATE = """
 local max, ncounters = tonumber(ARGV[1]), tonumber(ARGV[2])
 local plan = cjson.decode(ARGV[3])
 for i = 1, ncounters do
-  if tonumber(redis.call('GET', KEYS[1 + i]) or '0') + plan.need[i] > max then return KEYS[1 + i] end
+  local bound = plan.bounds and plan.bounds[i] or max
+  if tonumber(redis.call('GET', KEYS[1 + i]) or '0') + plan.need[i] > bound then return KEYS[1 + i] end
 end
 for i = 1, ncounters do redis.call('INCRBY', KEYS[1 + i], plan.need[i]) end
 local t = redis.call('TIME')
@@ -99,8 +103,10 @@ return 'ok'
 # KEYS: job hash, its message, the active-jobs set. ARGV: job id.
 # Removes a job that was never sent (the send failed), with its place in the backlog.
 _DISCARD = """
-local backlog = redis.call('HGET', KEYS[1], 'backlog_key')
-if backlog then redis.call('DECR', backlog) end
+for _, field in ipairs({'backlog_key', 'tenant_backlog_key'}) do
+  local backlog = redis.call('HGET', KEYS[1], field)
+  if backlog then redis.call('DECR', backlog) end
+end
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('DEL', KEYS[2])
 return redis.call('DEL', KEYS[1])
@@ -133,8 +139,10 @@ if ARGV[4] ~= '' then redis.call('SET', KEYS[2], ARGV[4], 'EX', ttl) end
 redis.call('HSET', KEYS[1], 'state', state, state .. '_at', now)
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ttl)
-local backlog = redis.call('HGET', KEYS[1], 'backlog_key')
-if backlog then redis.call('DECR', backlog) end
+for _, field in ipairs({'backlog_key', 'tenant_backlog_key'}) do
+  local backlog = redis.call('HGET', KEYS[1], field)
+  if backlog then redis.call('DECR', backlog) end
+end
 local batch = redis.call('HGET', KEYS[1], 'batch_key')
 if batch then
   redis.call('HINCRBY', batch, state, 1)
@@ -198,7 +206,8 @@ class JobStore:
         self._requeue = client.register_script(_REQUEUE)
 
     def create(self, jobs: list[tuple[str, dict]], max_queued: int,
-               batch: tuple[str, dict, list[str]] | None = None, messages: dict[str, str] | None = None) -> None:
+               batch: tuple[str, dict, list[str]] | None = None, messages: dict[str, str] | None = None,
+               tenant_share: float = 1.0) -> None:
         """Write job records ``(job_id, fields)`` and, for a batch, its hash and job list: all, or none.
 
         Every job joins the active-jobs set until it ends; ``messages`` (job id -> its preprocess message)
@@ -208,16 +217,27 @@ class JobStore:
 
         A record whose fields name a ``model`` takes a place in that model's backlog until the job ends;
         when a model's backlog would pass ``max_queued``, nothing is written and RequestError
-        ``queue_full`` is raised.
+        ``queue_full`` is raised.  A record that also names a ``tenant`` takes a place in that tenant's share
+        of the model's backlog, at most ``ceil(tenant_share x max_queued)`` (the same all-or-nothing refusal):
+        one tenant's flood is refused before it fills the backlog every tenant shares.
         """
         counters: dict[str, int] = {}
+        bounds: dict[str, int] = {}
+        tenant_max = math.ceil(tenant_share * max_queued)
         for _, fields in jobs:
             if fields.get("model"):
                 key = self.names.backlog(fields["model"])
                 fields["backlog_key"] = key
                 counters[key] = counters.get(key, 0) + 1
+                bounds[key] = max_queued
+                if fields.get("tenant"):
+                    key = self.names.tenant_backlog(fields["model"], fields["tenant"])
+                    fields["tenant_backlog_key"] = key
+                    counters[key] = counters.get(key, 0) + 1
+                    bounds[key] = tenant_max
         keys = [self.names.active_jobs, *counters, *(self.names.job(job_id) for job_id, _ in jobs)]
-        plan = {"now": now(), "need": list(counters.values()), "jobs": [_flat(fields) for _, fields in jobs],
+        plan = {"now": now(), "need": list(counters.values()), "bounds": list(bounds.values()),
+                "jobs": [_flat(fields) for _, fields in jobs],
                 "ids": [job_id for job_id, _ in jobs],
                 "messages": [[self.names.job_message(j), m] for j, m in (messages or {}).items()],
                 "batch": None, "batch_jobs": [], "grace": self.send_grace_s,
@@ -229,6 +249,12 @@ class JobStore:
         keys.append(self.names.job_queues)
         verdict = self._create(keys=keys, args=[max_queued, len(counters), json.dumps(plan)])
         if verdict != "ok":
+            tenant_job = next((f for _, f in jobs if f.get("tenant_backlog_key") == verdict), None)
+            if tenant_job is not None:
+                raise RequestError(
+                    f"model: tenant {tenant_job['tenant']!r} has its share of the queue of {tenant_job['model']!r} "
+                    f"({tenant_max} jobs waiting or running: {tenant_share:g} of {max_queued}); retry later",
+                    "model", code="queue_full")
             model = next(f["model"] for _, f in jobs if f.get("backlog_key") == verdict)
             raise RequestError(f"model: the queue of {model!r} is full ({max_queued} jobs waiting or running); "
                                "retry later", "model", code="queue_full")
@@ -251,9 +277,10 @@ class JobStore:
             self._watch(keys=[self.names.active_jobs],
                         args=[delay_s, "later" if later_only else "", *job_ids[i:i + 1000]])
 
-    def backlog(self, model: str) -> int:
-        """Jobs of ``model`` accepted and not yet ended."""
-        return int(self.r.get(self.names.backlog(model)) or 0)
+    def backlog(self, model: str, tenant: str | None = None) -> int:
+        """Jobs of ``model`` (of ``tenant``'s, when given) accepted and not yet ended."""
+        key = self.names.backlog(model) if tenant is None else self.names.tenant_backlog(model, tenant)
+        return int(self.r.get(key) or 0)
 
     def get(self, job_id: str) -> dict[str, str]:
         return self.r.hgetall(self.names.job(job_id))

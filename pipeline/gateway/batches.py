@@ -124,7 +124,7 @@ class BatchStore:
     # --- creating -------------------------------------------------------------------------------------
     def create(self, tenant: Tenant, req: BatchCreate) -> dict:
         lines = self._input_lines(tenant, req.input_file_id)
-        default = self.client.settings.default_priority
+        default = self.client.batch_priority
         lines = [prepare_line(line, req.endpoint, tenant.max_priority, default) for line in lines]
         outputs = self._reserve_outputs(tenant)
         try:
@@ -139,9 +139,7 @@ class BatchStore:
                 "completion_window": req.completion_window, "metadata": json.dumps(req.metadata),
                 "created_at": now, "total": len(job_ids), **outputs, "quota_bytes": tenant.max_stored_bytes,
                 "quota_files": tenant.max_files, "file_ttl_s": self.config.file_ttl_s}
-        pipe = self.r.pipeline(transaction=True)
-        for job_id in job_ids:
-            pipe.hset(self.names.job(job_id), "tenant", tenant.name)
+        pipe = self.r.pipeline(transaction=True)  # the jobs were written with their tenant (submit_batch)
         pipe.hset(self.keys.batch(batch_id), mapping=meta)
         pipe.expire(self.keys.batch(batch_id), self.config.file_ttl_s)
         pipe.zadd(self.keys.batches_of(tenant.name), {batch_id: time.time()})
@@ -153,7 +151,7 @@ class BatchStore:
         """(batch id, the tenant's reservation of room for its jobs) once the lines are sent."""
         reservation = self.limits.reserve(tenant, len(lines))
         try:
-            return self.client.submit_batch(lines, timeout_s=COMPLETION_WINDOW_S), reservation
+            return self.client.submit_batch(lines, timeout_s=COMPLETION_WINDOW_S, tenant=tenant.name), reservation
         except BaseException:
             self.limits.release(tenant, reservation)
             raise

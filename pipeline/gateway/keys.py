@@ -5,11 +5,12 @@ of each key, never the key itself::
 
     {"keys": [{"sha256": "<hex of sha256(key)>", "tenant": "team-a",
                "max_priority": 7, "rpm": 600, "max_queued": 100,
-               "max_stored_bytes": "1GiB", "max_files": 1000}]}
+               "max_stored_bytes": "1GiB", "max_files": 1000, "weight": 2}]}
 
 ``python -m pagedq.pipeline.gateway.keys <key>`` prints the line for a key.
 Several keys may name the same tenant; a tenant's limits are those of the
-first key that names it.
+first key that names it.  ``weight`` (default 1) is the tenant's share of service
+within a priority band, relative to the other tenants' weights.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Tenant:
     max_queued: int | None = None  # jobs waiting or running at once; None: unlimited
     max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES  # bytes of files kept at once: uploads and batch output
     max_files: int = DEFAULT_MAX_FILES  # files kept at once (a batch holds two places for its output files)
+    weight: float = 1.0  # share of service within a priority band, relative to other tenants' weights
 
 
 ANONYMOUS = Tenant("default")  # every request, when the gateway runs without a keys file (loopback only)
@@ -59,6 +61,7 @@ class _KeyEntry(BaseModel):
     max_queued: Annotated[int, Field(ge=1)] | None = None
     max_stored_bytes: Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)] = DEFAULT_MAX_STORED_BYTES
     max_files: Annotated[int, Field(ge=0)] = DEFAULT_MAX_FILES
+    weight: Annotated[float, Field(gt=0, le=1e6)] = 1.0
 
 
 class _KeysFile(BaseModel):
@@ -97,12 +100,16 @@ class KeyRing:
         for entry in entries:
             tenant = first.setdefault(entry.tenant, Tenant(entry.tenant, entry.max_priority, entry.rpm,
                                                            entry.max_queued, entry.max_stored_bytes,
-                                                           entry.max_files))
+                                                           entry.max_files, entry.weight))
             by_hash[entry.sha256.lower()] = tenant
         return cls(by_hash)
 
     def __len__(self) -> int:
         return len(self._by_hash)
+
+    def tenants(self) -> list[Tenant]:
+        """Every tenant of the keys file, once."""
+        return list({t.name: t for t in self._by_hash.values()}.values())
 
     def tenant_for(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization: Bearer <key>`` header, or None."""
@@ -117,7 +124,8 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pagedq.pipeline.gateway.keys <api-key>", file=sys.stderr)
         return 2
     print(json.dumps({"sha256": hash_key(argv[0]), "tenant": "CHANGE-ME", "max_priority": 9, "rpm": 600,
-                      "max_queued": 100, "max_stored_bytes": "1GiB", "max_files": DEFAULT_MAX_FILES}))
+                      "max_queued": 100, "max_stored_bytes": "1GiB", "max_files": DEFAULT_MAX_FILES,
+                      "weight": 1}))
     return 0
 
 

@@ -69,6 +69,8 @@ class Gateway:
         self.keyring = keyring
         self.url = broker_url or find_broker_url(settings)
         self.client = Client(settings, self.url)
+        if keyring is not None:  # the keys file's weights are what this gateway writes for its tenants
+            self.client.weights.update({t.name: t.weight for t in keyring.tenants()})
         self.settings, self.names, self.r = self.client.settings, self.client.names, self.client.r
         self.keys = GatewayKeys(self.settings.key_prefix)
         # Bytes replies, for file contents; the same server, password and TLS as the Client's connection.
@@ -139,14 +141,13 @@ class Gateway:
         return JobStatus.from_record(job_id, rec), rec
 
     def submit(self, tenant: Tenant, kwargs: dict) -> str:
-        """``Client.submit(**kwargs)`` within the tenant's limits; the job records its tenant."""
+        """``Client.submit(**kwargs)`` within the tenant's limits; the job is written with its tenant."""
         reservation = self.limits.reserve(tenant, 1)
         try:
-            job_id = self.client.submit(**kwargs)
+            job_id = self.client.submit(**kwargs, tenant=tenant.name)
         except BaseException:
             self.limits.release(tenant, reservation)
             raise
-        self.client.store.update(job_id, tenant=tenant.name)
         self.limits.commit(tenant, reservation, [job_id])
         return job_id
 

@@ -1,0 +1,99 @@
+"""Tenants from the first write, against a real redis-server and no model: the record, the messages, the
+weights, and each tenant's share of a model's backlog bound."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import uuid
+
+import pytest
+
+from pagedq.config import Settings
+from pagedq.config.messages import PreprocessJob, RequestError, parse_message
+from pagedq.pipeline.client import Client
+
+
+@pytest.fixture
+def settings() -> Settings:
+    tag = uuid.uuid4().hex[:8]
+    return Settings(key_prefix=f"t{tag}:", queue_prefix=f"t{tag}.", result_cache=False,
+                    max_queued_jobs=random.randint(6, 14), tenant_backlog_share=random.choice([0.25, 0.4, 0.5]),
+                    tenant_weights={"team-a": round(random.uniform(1.5, 4), 2)})
+
+
+def _submit(client: Client, tenant: str) -> str:
+    return client.submit(prompt=uuid.uuid4().hex, max_tokens=random.randint(1, 8), tenant=tenant)
+
+
+def test_a_tenants_flood_hits_queue_full_at_its_share_while_another_tenant_still_submits(settings, redis_url):
+    share = math.ceil(settings.tenant_backlog_share * settings.max_queued_jobs)
+    with Client(settings, redis_url, tenant="team-a") as client:
+        flood = []
+        with pytest.raises(RequestError) as refused:
+            for _ in range(settings.max_queued_jobs + 1):
+                flood.append(_submit(client, "team-a"))
+        assert len(flood) == share, f"team-a got {len(flood)} jobs in, its share is {share}"
+        assert refused.value.code == "queue_full" and "'team-a'" in str(refused.value) and "share" in str(refused.value)
+        assert client.store.backlog(settings.model) == share
+
+        other = _submit(client, "team-b")  # the shared bound is not full: another tenant is not refused
+        assert client.status(other).tenant == "team-b" and client.status(other).state == "queued"
+        # The counters go back down as jobs end (cancelled here; completed and failed go the same way).
+        for job_id in flood[:2]:
+            assert client.cancel(job_id).state == "cancelled"
+        assert client.store.backlog(settings.model, "team-a") == share - 2
+        assert client.store.backlog(settings.model) == share - 1
+        flood.append(_submit(client, "team-a"))
+        for job_id in flood[2:]:
+            client.cancel(job_id)
+        assert client.store.backlog(settings.model, "team-a") == 0
+
+        with pytest.raises(RequestError) as whole:  # a batch over the share is refused whole
+            client.submit_batch([_line(i) for i in range(share)], tenant="team-b")
+        assert whole.value.code == "queue_full" and "'team-b'" in str(whole.value)
+        assert client.store.backlog(settings.model, "team-b") == 1, "a refused batch writes nothing"
+        client.cancel(other)
+        assert client.store.backlog(settings.model, "team-b") == client.store.backlog(settings.model) == 0
+
+
+def _line(i: int) -> dict:
+    return {"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": uuid.uuid4().hex, "max_tokens": random.randint(1, 8)}}
+
+
+def test_the_tenant_is_written_with_the_record_and_carried_in_the_message(settings, redis_url, redis):
+    settings = settings.model_copy(update={"tenant_backlog_share": 1.0})
+    with Client(settings, redis_url, tenant="team-a") as client:
+        timeout = random.uniform(30, 90)
+        job_id = client.submit(prompt="hello", max_tokens=2, priority=7, timeout_s=timeout)
+        rec = client.store.get(job_id)
+        assert rec["tenant"] == "team-a" and client.status(job_id).tenant == "team-a"
+        msg = parse_message(PreprocessJob, json.loads(redis.get(client.names.job_message(job_id))))
+        assert msg.meta.tenant == "team-a" and msg.meta.priority == 7
+        assert msg.meta.arrival == pytest.approx(float(rec["created_at"]))
+        assert msg.meta.deadline == pytest.approx(float(rec["expires_at"]))
+        assert msg.meta.deadline - msg.meta.arrival == pytest.approx(timeout)
+        assert "tenant=team-a" in msg.describe()
+        assert float(redis.hget(client.names.tenant_weights, "team-a")) == settings.tenant_weights["team-a"]
+
+        batch = client.submit_batch([_line(0), {**_line(1), "body": {**_line(1)["body"], "priority": 8}}])
+        jobs = redis.lrange(client.names.batch_jobs(batch), 0, -1)
+        assert [client.status(j).tenant for j in jobs] == ["team-a", "team-a"]  # a batch inherits it
+        assert [client.status(j).priority for j in jobs] == [client.batch_priority, 8]
+        assert not redis.hexists(client.names.tenant_weights, "team-b"), "no weight known: none written"
+    with pytest.raises(RequestError):
+        Client(settings, redis_url, tenant="no spaces")
+
+
+def test_batch_lines_without_a_priority_run_at_the_batch_priority(redis_url):
+    tag = uuid.uuid4().hex[:8]
+    low = random.randint(0, 4)
+    settings = Settings(key_prefix=f"t{tag}:", queue_prefix=f"t{tag}.", result_cache=False, batch_priority=low)
+    with Client(settings, redis_url) as client:
+        batch = client.submit_batch([_line(0), {**_line(1), "body": {**_line(1)["body"], "priority": 9}}])
+        jobs = client.r.lrange(client.names.batch_jobs(batch), 0, -1)
+        assert [client.status(j).priority for j in jobs] == [low, 9]
+        assert client.status(jobs[0]).tenant == "default"
+        assert client.status(client.submit(prompt="x", max_tokens=1)).priority == settings.default_priority
