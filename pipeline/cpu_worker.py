@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from celery import Celery
 from celery.exceptions import Reject, Retry
@@ -47,6 +48,7 @@ from pagedq.config.names import (
     Names,
     broker_priority,
 )
+from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline.postprocess import build_response, cache_answer
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
@@ -120,7 +122,16 @@ def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> Gene
     params = to_sampling_params(req)
     check_context(ids, params.max_tokens, info.max_model_len, info.vocab_size)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
-    return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream)
+    meta = replace(_scheduling_meta(msg, r, names), priority=req.priority)
+    return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream, meta)
+
+
+def _scheduling_meta(msg: PreprocessJob, r, names: Names) -> SchedulingMeta:
+    """The job's ``SchedulingMeta``: its message's, or (a message from a producer older than ``meta``) its record's."""
+    if msg.meta.arrival:
+        return msg.meta
+    tenant, created, expires = r.hmget(names.job(msg.job_id), "tenant", "created_at", "expires_at")
+    return SchedulingMeta.from_dict({"tenant": tenant, "deadline": expires, "arrival": created})
 
 
 def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, names: Names,
