@@ -68,7 +68,8 @@ class Reuse:
 def judge_workers(r: redis.Redis, names: Names, records: dict[str, dict[str, str]], ttl_s: float) -> list[Reuse]:
     """Which registered workers still run.  Same pid space (host, boot, pid namespace): the recorded pid runs
     and started when recorded.  Elsewhere (or an old record without those fields): its record is renewed within
-    one heartbeat interval (a third of the TTL) plus a second; all such records are watched at once."""
+    one heartbeat interval (a third of its TTL, the record's ``ttl_s`` or else ``ttl_s``) plus a second; all such
+    records are watched at once."""
     verdicts: dict[str, Reuse] = {}
     remote = []
     for host, rec in records.items():
@@ -79,7 +80,7 @@ def judge_workers(r: redis.Redis, names: Names, records: dict[str, dict[str, str
         else:
             verdicts[host] = Reuse(host, rec.get("role", ""), False, f"pid {rec.get('pid', '?')} is not running")
     if remote:
-        window = ttl_s / 3 + 1
+        window = max(float(records[host].get("ttl_s") or ttl_s) for host in remote) / 3 + 1
         renewed = renewed_records(r, names, remote, window)
         for host in remote:
             role, where = records[host].get("role", ""), records[host].get("host") or "another host"
