@@ -220,6 +220,61 @@ class Names:
 
     # --- workers and models ---------------------------------------------------
     def model(self, model: str) -> str:
+    # --- fair dispatch (store/dispatch.py) -------------------------------------
+    def fair_prefix(self, model: str) -> str:
+        """Prefix of a model's fair-queue keys (``fair_tenants``, ``fair_band``, ``fair_waiting``, ``fair_seq``):
+        the claim script builds the band keys it visits from it, so the two spellings must agree."""
+        return f"{self.key_prefix}fair:{model_slug(model)}:"
+
+    def fair_tenants(self, model: str, priority: int) -> str:
+        """Set: the tenants with a job of the model waiting in this priority band."""
+        return f"{self.fair_prefix(model)}tenants:{priority}"
+
+    def fair_band(self, model: str, priority: int, tenant: str) -> str:
+        """Sorted set: one tenant's waiting jobs of the model in one band; member ``arrival|seq|job id``
+        (fixed width, so equal scores sort by arrival then push order), score the start deadline (+inf: none)."""
+        return f"{self.fair_prefix(model)}band:{priority}:{tenant}"
+
+    def fair_waiting(self, model: str) -> str:
+        """Hash: tenant -> jobs of the model waiting in its fair queue, any band (a tenant with none is absent:
+        the *active* tenants)."""
+        return f"{self.fair_prefix(model)}waiting"
+
+    def fair_seq(self, model: str) -> str:
+        """Counter: push order of the model's fair queue (the last tie-breaker)."""
+        return f"{self.fair_prefix(model)}seq"
+
+    def vtc(self, model: str) -> str:
+        """Hash: tenant -> virtual token counter for the model (weighted service: (prompt + max_tokens) / weight
+        charged at claim, unused output refunded at the end; a float as '%.17g')."""
+        return f"{self.key_prefix}vtc:{model_slug(model)}"
+
+    @property
+    def fair_index(self) -> str:
+        """Hash: job id -> JSON (all strings) of where the job sits in a fair queue (prefix, band, tenant,
+        member, deadline, cost) and, once claimed, its slot and charge.  Present from push until unbind/remove:
+        a job in it is waiting or bound, never both."""
+        return f"{self.key_prefix}fair-index"
+
+    def fair_message(self, job_id: str) -> str:
+        """String: the GenerateJob JSON of a job in the fair queue (waiting or bound), gone when it leaves."""
+        return f"{self.key_prefix}fair-message:{job_id}"
+
+    def slot(self, slot: str) -> str:
+        """String: the job id a worker's slot is bound to (set by claim, cleared by release/unbind)."""
+        return f"{self.key_prefix}slot:{slot}"
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set: job id -> ``expires_at`` (start deadline, Redis clock) of every job created with one,
+        until it ends; ``DeadlineWatch`` expires those past due that never started."""
+        return f"{self.key_prefix}deadlines"
+
+    @property
+    def deadline_lock(self) -> str:
+        """String with a TTL: the token of the process watching deadlines now (one ticks at a time)."""
+        return f"{self.key_prefix}deadline-lock"
+
         """Hash: a served model's name, fingerprint, max_model_len, vocab_size."""
         return f"{self.key_prefix}model:{model_slug(model)}"
 

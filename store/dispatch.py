@@ -1,0 +1,303 @@
+"""The fleet's fair queue in Redis: a worker with room claims the next job of a model, atomically.
+
+A generated job (its ``GenerateJob``) waits in its model's fair queue until a
+worker that can start it soon claims it.  The order of ``claim`` is the fleet
+order of ``pagedq.fleet.policy.FairQueue`` (the test oracle), computed in one
+Lua script:
+
+1. the highest priority band with a job waiting (strictly);
+2. in it, the tenant with the least virtual token counter (``names.vtc``;
+   equal counters: the tenant whose head job comes first);
+3. in the tenant, the earliest start deadline, then arrival, then push order.
+
+Keys (config/names.py): per model, one sorted set per (band, tenant)
+(``fair_band``: member ``arrival|seq|job id``, score the deadline), a set of
+the tenants waiting per band (``fair_tenants``), a hash tenant -> jobs
+waiting (``fair_waiting``: the *active* tenants), the push counter
+(``fair_seq``) and the counters (``vtc``); across models, ``fair_index``
+(job id -> where it waits, or the slot it is bound to) and ``fair_message``
+(its GenerateJob JSON).
+
+Counters: a claim charges the tenant ``(prompt tokens + max_tokens) / weight``
+(weights: ``names.tenant_weights``, missing or invalid = 1); ``refund`` gives
+back the unused output at the end; ``release`` gives back the whole claim
+charge (the job is charged again when claimed again).  A tenant with nothing
+waiting that pushes a job is lifted to the least counter of the active
+tenants (idle time banks no credit).  Counters are doubles written as
+``%.17g``, so Lua and Python compute the same values bit for bit.
+
+Invariants: a job id is in ``fair_index`` from ``push`` until ``unbind`` or
+``remove`` (or a claim that finds it ended); while there it is either in
+exactly one band set (waiting) or bound to exactly one slot, never both; a
+slot key names at most one job, and that job's index entry names the slot.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from pagedq.config.messages import GenerateJob, parse_message, to_json
+from pagedq.config.names import Names
+from pagedq.config.scheduling import DEFAULT_TENANT
+
+BANDS = range(9, -1, -1)  # priority 9 (most urgent) first
+
+# Shared Lua: put entry ``e`` (decoded fair_index value) into its band, lifting a returning tenant first;
+# take a waiting member out of its band.  Both keep fair_tenants / fair_waiting in step with the band sets.
+_LIB = """
+local function fmt(x) return string.format('%.17g', x) end
+local function enqueue(e)
+  local waiting = e.prefix .. 'waiting'
+  if tonumber(redis.call('HGET', waiting, e.tenant) or '0') <= 0 then
+    local low
+    for _, t in ipairs(redis.call('HKEYS', waiting)) do
+      if t ~= e.tenant then
+        local c = tonumber(redis.call('HGET', e.vtc, t) or '0')
+        if low == nil or c < low then low = c end
+      end
+    end
+    if low ~= nil and low > tonumber(redis.call('HGET', e.vtc, e.tenant) or '0') then
+      redis.call('HSET', e.vtc, e.tenant, fmt(low))
+    end
+  end
+  redis.call('HINCRBY', waiting, e.tenant, 1)
+  redis.call('ZADD', e.prefix .. 'band:' .. e.priority .. ':' .. e.tenant, e.deadline, e.member)
+  redis.call('SADD', e.prefix .. 'tenants:' .. e.priority, e.tenant)
+end
+local function unqueue(prefix, priority, tenant, member)
+  local band = prefix .. 'band:' .. priority .. ':' .. tenant
+  if redis.call('ZREM', band, member) == 0 then return false end
+  if redis.call('ZCARD', band) == 0 then redis.call('SREM', prefix .. 'tenants:' .. priority, tenant) end
+  if redis.call('HINCRBY', prefix .. 'waiting', tenant, -1) <= 0 then redis.call('HDEL', prefix .. 'waiting', tenant) end
+  return true
+end
+"""
+
+# KEYS: fair index, fair message, the model's push counter. ARGV: job id, message JSON, entry JSON, arrival
+# (fixed width).  Idempotent: a job already in the index (waiting or bound) is left as it is.
+_PUSH = _LIB + """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+local e = cjson.decode(ARGV[3])
+e.member = ARGV[4] .. '|' .. string.format('%012d', redis.call('INCR', KEYS[3])) .. '|' .. ARGV[1]
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(e))
+redis.call('SET', KEYS[2], ARGV[2])
+enqueue(e)
+return 1
+"""
+
+# KEYS: the model's counters, tenant weights, fair index, the slot. ARGV: fair prefix, slot name, job-key
+# prefix, fair-message prefix.  Returns the claimed job's message, false when nothing waits, an error when the
+# slot is bound already.  A job found ended, cancelling or gone is dropped (index entry and message) and skipped.
+_CLAIM = _LIB + """
+if redis.call('EXISTS', KEYS[4]) == 1 then return redis.error_reply('SLOTBUSY ' .. ARGV[2]) end
+local prefix = ARGV[1]
+local function score(s) if s == 'inf' or s == '+inf' then return math.huge end return tonumber(s) end
+for p = 9, 0, -1 do
+  local tkey = prefix .. 'tenants:' .. p
+  while true do
+    local tenants = redis.call('SMEMBERS', tkey)
+    if #tenants == 0 then break end
+    local best, bc, bd, bm
+    for _, t in ipairs(tenants) do
+      local c = tonumber(redis.call('HGET', KEYS[1], t) or '0')
+      local head = redis.call('ZRANGE', prefix .. 'band:' .. p .. ':' .. t, 0, 0, 'WITHSCORES')
+      if #head == 0 then
+        redis.call('SREM', tkey, t)  -- cannot happen while the invariants hold; heals if it does
+      else
+        local d = score(head[2])
+        if best == nil or c < bc or (c == bc and (d < bd or (d == bd and head[1] < bm))) then
+          best, bc, bd, bm = t, c, d, head[1]
+        end
+      end
+    end
+    if best ~= nil then
+      unqueue(prefix, p, best, bm)
+      local id = string.match(bm, '^[^|]*|[^|]*|(.*)$')
+      local raw = redis.call('HGET', KEYS[3], id)
+      local st = redis.call('HGET', ARGV[3] .. id, 'state')
+      local msg = redis.call('GET', ARGV[4] .. id)
+      if raw and msg and (st == 'queued' or st == 'in_progress') then
+        local e = cjson.decode(raw)
+        local w = tonumber(redis.call('HGET', KEYS[2], best) or '1')
+        if w == nil or w <= 0 then w = 1 end
+        local charge = tonumber(e.cost) / w
+        redis.call('HSET', KEYS[1], best, fmt(bc + charge))
+        e.slot, e.charge = ARGV[2], fmt(charge)
+        redis.call('HSET', KEYS[3], id, cjson.encode(e))
+        redis.call('SET', KEYS[4], id)
+        redis.call('HSET', ARGV[3] .. id, 'slot', ARGV[2])
+        return msg
+      end
+      redis.call('HDEL', KEYS[3], id)
+      redis.call('DEL', ARGV[4] .. id)
+    end
+  end
+end
+return false
+"""
+
+# KEYS: the slot, fair index. ARGV: slot name, job-key prefix, fair-message prefix.  The bound job goes back
+# to its place in its band (same member: its deadline, arrival and push order), its claim charge refunded.
+_RELEASE = _LIB + """
+local id = redis.call('GET', KEYS[1])
+if not id then return false end
+redis.call('DEL', KEYS[1])
+local job = ARGV[2] .. id
+if redis.call('HGET', job, 'slot') == ARGV[1] then redis.call('HDEL', job, 'slot') end
+local raw = redis.call('HGET', KEYS[2], id)
+if not raw then return id end
+local e = cjson.decode(raw)
+if e.slot ~= ARGV[1] then return id end
+if e.charge then
+  redis.call('HSET', e.vtc, e.tenant, fmt(tonumber(redis.call('HGET', e.vtc, e.tenant) or '0') - tonumber(e.charge)))
+end
+e.slot, e.charge = nil, nil
+local st = redis.call('HGET', job, 'state')
+if st == 'in_progress' then redis.call('HSET', job, 'state', 'queued') end
+if (st == 'queued' or st == 'in_progress') and redis.call('EXISTS', ARGV[3] .. id) == 1 then
+  redis.call('HSET', KEYS[2], id, cjson.encode(e))
+  enqueue(e)
+else
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('DEL', ARGV[3] .. id)
+end
+return id
+"""
+
+# KEYS: the slot, fair index. ARGV: slot name, job-key prefix, fair-message prefix.  The job ended.
+_UNBIND = """
+local id = redis.call('GET', KEYS[1])
+if not id then return false end
+redis.call('DEL', KEYS[1])
+if redis.call('HGET', ARGV[2] .. id, 'slot') == ARGV[1] then redis.call('HDEL', ARGV[2] .. id, 'slot') end
+local raw = redis.call('HGET', KEYS[2], id)
+if raw and cjson.decode(raw).slot == ARGV[1] then
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('DEL', ARGV[3] .. id)
+end
+return id
+"""
+
+# KEYS: fair index, fair message. ARGV: job id.  Only a waiting job is removed (a bound one is its slot's).
+_REMOVE = _LIB + """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local e = cjson.decode(raw)
+if e.slot then return 0 end
+unqueue(e.prefix, e.priority, e.tenant, e.member)
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+# KEYS: the model's counters, tenant weights. ARGV: tenant, output tokens to give back.
+_REFUND = _LIB + """
+local w = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '1')
+if w == nil or w <= 0 then w = 1 end
+local c = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+redis.call('HSET', KEYS[1], ARGV[1], fmt(c + (-tonumber(ARGV[2])) / w))
+return 1
+"""
+
+
+class SlotBusy(RuntimeError):
+    """``claim`` for a slot that is still bound: unbind or release it first."""
+
+
+def _scheduling(job: GenerateJob) -> tuple[str, int, float | None, float]:
+    """(tenant, priority 0-9, deadline, arrival) of a job."""
+    meta = getattr(job, "meta", None)
+    tenant = str(getattr(meta, "tenant", None) or DEFAULT_TENANT)
+    priority = min(max(int(getattr(meta, "priority", job.priority)), 0), 9)
+    return tenant, priority, getattr(meta, "deadline", None), float(getattr(meta, "arrival", 0.0) or 0.0)
+
+
+def arrival_key(arrival: float) -> str:
+    """Fixed width, so that byte order is time order (microseconds; the Redis clock's resolution)."""
+    return f"{max(arrival, 0.0):020.6f}"
+
+
+class FairDispatch:
+    """The fair queues of every model (module docstring).  Each method is one Lua call."""
+
+    def __init__(self, r: redis.Redis, names: Names) -> None:
+        self.r = r
+        self.names = names
+        self._job_prefix = names.job("")
+        self._message_prefix = names.fair_message("")
+        self._push = r.register_script(_PUSH)
+        self._claim = r.register_script(_CLAIM)
+        self._release = r.register_script(_RELEASE)
+        self._unbind = r.register_script(_UNBIND)
+        self._remove = r.register_script(_REMOVE)
+        self._refund = r.register_script(_REFUND)
+
+    def push(self, job: GenerateJob) -> None:
+        """The job waits in its model's fair queue; pushing a job already waiting or bound changes nothing."""
+        tenant, priority, deadline, arrival = _scheduling(job)
+        n = self.names
+        entry = {"prefix": n.fair_prefix(job.model), "vtc": n.vtc(job.model), "model": job.model,
+                 "priority": str(priority), "tenant": tenant,
+                 "deadline": "+inf" if deadline is None else repr(float(deadline)),
+                 "cost": str(len(job.prompt_token_ids) + int(job.params.max_tokens or 0))}
+        self._push(keys=[n.fair_index, n.fair_message(job.job_id), n.fair_seq(job.model)],
+                   args=[job.job_id, json.dumps(to_json(job)), json.dumps(entry), arrival_key(arrival)])
+
+    def claim(self, model: str, worker: str, slot: str) -> GenerateJob | None:
+        """The next job of ``model`` in the fleet order, bound to ``slot`` and charged to its tenant; None when
+        nothing waits.  ``worker`` names the claimer (for logs; the binding is the slot's)."""
+        n = self.names
+        try:
+            raw = self._claim(keys=[n.vtc(model), n.tenant_weights, n.fair_index, n.slot(slot)],
+                              args=[n.fair_prefix(model), slot, self._job_prefix, self._message_prefix])
+        except redis.ResponseError as e:
+            if "SLOTBUSY" in str(e):
+                raise SlotBusy(f"slot {slot!r} of {worker!r} is bound to job {self.bound_job(slot)!r}") from None
+            raise
+        return parse_message(GenerateJob, json.loads(raw)) if raw else None
+
+    def bound_job(self, slot: str) -> str | None:
+        """The job id ``slot`` is bound to, or None."""
+        return self.r.get(self.names.slot(slot))
+
+    def release(self, slot: str) -> str | None:
+        """The job bound to ``slot`` goes back to its place in its fair queue (state queued if it was
+        in_progress; attempts untouched: call ``JobStore.requeue`` first to decide those), unbound, its claim
+        charge refunded; a job that ended meanwhile is forgotten instead.  Returns its id, None if the slot was
+        free (so a second release is a no-op)."""
+        n = self.names
+        return self._release(keys=[n.slot(slot), n.fair_index], args=[slot, self._job_prefix, self._message_prefix])
+
+    def unbind(self, slot: str) -> None:
+        """The job bound to ``slot`` ended: forget the binding, its index entry and its message."""
+        n = self.names
+        self._unbind(keys=[n.slot(slot), n.fair_index], args=[slot, self._job_prefix, self._message_prefix])
+
+    def remove(self, job_id: str) -> bool:
+        """Take a waiting job out of its fair queue (with its message); False if it was not waiting."""
+        n = self.names
+        return bool(self._remove(keys=[n.fair_index, n.fair_message(job_id)], args=[job_id]))
+
+    def refund(self, model: str, tenant: str, tokens: int) -> None:
+        """Give back charged but unused output tokens (``max_tokens`` - generated) at the end of a job."""
+        if tokens:
+            self._refund(keys=[self.names.vtc(model), self.names.tenant_weights], args=[tenant, int(tokens)])
+
+    def waiting(self, model: str) -> int:
+        """Jobs waiting in the model's fair queue."""
+        return sum(self.waiting_by_tenant(model).values())
+
+    def waiting_by_tenant(self, model: str) -> dict[str, int]:
+        """Tenant -> jobs of the model waiting (tenants with none are absent)."""
+        return {t: int(c) for t, c in self.r.hgetall(self.names.fair_waiting(model)).items() if int(c) > 0}
+
+    def counters(self, model: str) -> dict[str, float]:
+        """Tenant -> virtual token counter of the model."""
+        return {t: float(c) for t, c in self.r.hgetall(self.names.vtc(model)).items()}
+
+    def is_waiting(self, job_id: str) -> bool:
+        """True while the job waits in a fair queue (not bound to a slot)."""
+        raw = self.r.hget(self.names.fair_index, job_id)
+        return raw is not None and "slot" not in json.loads(raw)

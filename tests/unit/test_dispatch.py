@@ -1,0 +1,260 @@
+"""The Redis fair queue (store/dispatch.py) against a real redis-server: the Lua claim order is the fleet order of
+``pagedq.fleet.policy.FairQueue``; lift, release, unbind, remove, refund; two claimers never share a job."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+
+import pytest
+
+from pagedq.config.messages import GenerateJob
+from pagedq.config.names import Names
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import SchedulingMeta
+from pagedq.fleet.policy import FairQueue, VirtualTokenCounters
+from pagedq.store.dispatch import FairDispatch, SlotBusy
+
+MODEL = "test/fair-model"
+
+
+@pytest.fixture
+def names() -> Names:
+    return Names(key_prefix=f"t-{uuid.uuid4().hex[:8]}:", queue_prefix="t.")
+
+
+@pytest.fixture
+def dispatch(redis, names) -> FairDispatch:
+    return FairDispatch(redis, names)
+
+
+def _job(meta: SchedulingMeta, prompt: int | None = None, max_tokens: int | None = None,
+         model: str = MODEL) -> GenerateJob:
+    prompt = prompt if prompt is not None else random.randint(1, 300)
+    return GenerateJob(job_id=uuid.uuid4().hex, model=model, kind="text",
+                       prompt_token_ids=[random.randrange(1000) for _ in range(prompt)],
+                       params=SamplingParams(max_tokens=max_tokens if max_tokens is not None else random.randint(1, 128)),
+                       priority=meta.priority, meta=meta)
+
+
+def _create_records(redis, names, jobs: list[GenerateJob], state: str = "queued") -> None:
+    pipe = redis.pipeline()
+    for job in jobs:
+        pipe.hset(names.job(job.job_id), mapping={"state": state, "model": job.model})
+    pipe.execute()
+
+
+def _random_meta(tenants: list[str], bands: list[int]) -> SchedulingMeta:
+    # Arrivals on the microsecond grid: the Redis member keeps 6 decimals (the Redis clock's resolution).
+    return SchedulingMeta(tenant=random.choice(tenants), priority=random.choice(bands),
+                          deadline=random.choice([None, None, round(random.uniform(1e9, 1e9 + 100), 3)]),
+                          arrival=round(random.uniform(1.7e9, 1.7e9 + 60), 6))
+
+
+def _cost(job: GenerateJob) -> tuple[int, int]:
+    return len(job.prompt_token_ids), job.params.max_tokens
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["mixed", "ties"])
+def test_claim_order_is_the_fleet_order_on_random_workloads(redis, names, dispatch, ties):
+    """The key property: push / claim / refund interleaved at random give the same sequence of jobs, and the
+    same counters, as the plain-Python FairQueue with the same weights and charges.  ``ties``: equal costs,
+    weights and few distinct deadlines, so counters and deadlines are often equal and the tie-breaks decide."""
+    tenants = [f"tenant-{i}-{uuid.uuid4().hex[:4]}" for i in range(random.randint(3, 5))]
+    bands = random.sample(range(10), random.randint(2, 3))
+    weights = {} if ties else {t: random.choice([1.0, 2.0, 0.5, round(random.uniform(0.2, 4), 3)])
+                               for t in tenants[1:]}
+    cost = random.randint(5, 50)
+    if weights:
+        redis.hset(names.tenant_weights, mapping={t: str(w) for t, w in weights.items()})
+    oracle: FairQueue[str] = FairQueue(VirtualTokenCounters(weights=weights))
+    jobs: dict[str, GenerateJob] = {}
+    claimed = 0
+    for step in range(random.randint(250, 350)):
+        action = random.random()
+        if action < 0.5 or not len(oracle):
+            meta = _random_meta(tenants, bands)
+            if ties:
+                meta = SchedulingMeta(meta.tenant, meta.priority, random.choice([None, 1e9]), meta.arrival)
+            job = _job(meta, cost, cost) if ties else _job(meta)
+            jobs[job.job_id] = job
+            _create_records(redis, names, [job])
+            dispatch.push(job)
+            oracle.push(job.job_id, job.meta)
+        elif action < 0.9:
+            want = oracle.pop()
+            got = dispatch.claim(MODEL, "w1", f"slot-{step}")
+            assert got is not None and got.job_id == want, f"step {step}: claim order differs from FairQueue"
+            assert got == jobs[want]
+            oracle.counters.charge(got.meta.tenant, *_cost(got))
+            claimed += 1
+        else:
+            job = jobs[random.choice(list(jobs))]
+            unused = job.params.max_tokens if ties else random.randint(0, job.params.max_tokens)
+            dispatch.refund(MODEL, job.meta.tenant, unused)
+            oracle.counters.charge(job.meta.tenant, 0, -unused)
+        assert dispatch.waiting(MODEL) == len(oracle)
+    while (want := oracle.pop()) is not None:
+        got = dispatch.claim(MODEL, "w1", f"drain-{want}")
+        assert got is not None and got.job_id == want
+        oracle.counters.charge(got.meta.tenant, *_cost(got))
+        claimed += 1
+    assert claimed > 100
+    assert dispatch.claim(MODEL, "w1", "empty") is None
+    assert dispatch.waiting_by_tenant(MODEL) == {}
+    assert dispatch.counters(MODEL) == {t: c for t, c in oracle.counters.counters.items()}
+
+
+def test_strict_priority_then_least_served_tenant(redis, names, dispatch):
+    """A higher band goes first whatever the counters; within a band the least-served tenant does."""
+    redis.hset(names.vtc(MODEL), mapping={"rich": "1000", "poor": "10"})
+    low = [_job(SchedulingMeta("poor", 3, None, 1.0 + i)) for i in range(2)]
+    high = _job(SchedulingMeta("rich", 7, None, 50.0))
+    rich = _job(SchedulingMeta("rich", 3, None, 0.5))
+    jobs = [*low, high, rich]
+    _create_records(redis, names, jobs)
+    for job in jobs:
+        dispatch.push(job)
+    order = [dispatch.claim(MODEL, "w", f"s{i}").job_id for i in range(4)]
+    assert order[0] == high.job_id
+    assert order[1] == low[0].job_id  # poor: 10 + one charge (< 430) stays below rich
+    assert set(order[2:]) == {low[1].job_id, rich.job_id}
+
+
+def test_a_returning_tenant_starts_at_the_lowest_active_counter(redis, names, dispatch):
+    busy = [_job(SchedulingMeta(t, 5, None, float(i))) for i, t in enumerate(["a", "b", "a", "b"])]
+    _create_records(redis, names, busy)
+    for job in busy:
+        dispatch.push(job)
+    for i in range(2):  # a and b served once each: both counters > 0
+        dispatch.claim(MODEL, "w", f"s{i}")
+    before = dispatch.counters(MODEL)
+    low = min(before["a"], before["b"])
+    assert low > 0 and "idle" not in before
+    back = _job(SchedulingMeta("idle", 5, None, 99.0))
+    _create_records(redis, names, [back])
+    dispatch.push(back)
+    assert dispatch.counters(MODEL)["idle"] == low  # lifted: idle time banked no credit
+    # A tenant still active is not lifted again by a second job; one above the floor keeps its own counter.
+    redis.hset(names.vtc(MODEL), "idle", repr(low + 5000))
+    again = _job(SchedulingMeta("idle", 5, None, 100.0))
+    _create_records(redis, names, [again])
+    dispatch.push(again)
+    assert dispatch.counters(MODEL)["idle"] == low + 5000
+    assert dispatch.waiting_by_tenant(MODEL) == {"a": 1, "b": 1, "idle": 2}
+
+
+def test_push_is_idempotent_and_release_puts_a_job_back_exactly_once(redis, names, dispatch):
+    jobs = [_job(SchedulingMeta(random.choice(["a", "b"]), 5, None, float(i))) for i in range(5)]
+    _create_records(redis, names, jobs)
+    for job in jobs:
+        dispatch.push(job)
+        dispatch.push(job)  # waiting: changes nothing
+    assert dispatch.waiting(MODEL) == 5
+    first = dispatch.claim(MODEL, "w", "slot-1")
+    counters_after_claim = dispatch.counters(MODEL)
+    dispatch.push(first)  # bound: changes nothing
+    assert dispatch.waiting(MODEL) == 4
+    assert dispatch.bound_job("slot-1") == first.job_id
+    assert redis.hget(names.job(first.job_id), "slot") == "slot-1"
+    with pytest.raises(SlotBusy):
+        dispatch.claim(MODEL, "w", "slot-1")
+    redis.hset(names.job(first.job_id), "state", "in_progress")
+    assert dispatch.release("slot-1") == first.job_id
+    assert dispatch.release("slot-1") is None  # a second release is a no-op
+    assert dispatch.waiting(MODEL) == 5
+    assert dispatch.bound_job("slot-1") is None
+    assert redis.hget(names.job(first.job_id), "state") == "queued"
+    assert redis.hget(names.job(first.job_id), "slot") is None
+    tenant = first.meta.tenant
+    assert dispatch.counters(MODEL)[tenant] < counters_after_claim[tenant]  # the claim's charge came back
+    # Back at its own place: the earliest of its tenant, so claimed again first.
+    again = dispatch.claim(MODEL, "w", "slot-2")
+    assert again.job_id == first.job_id
+    seen = [again.job_id] + [dispatch.claim(MODEL, "w", f"slot-{i}").job_id for i in range(3, 7)]
+    assert sorted(seen) == sorted(j.job_id for j in jobs)
+    assert dispatch.claim(MODEL, "w", "slot-9") is None
+
+
+def test_unbind_forgets_and_remove_takes_a_waiting_job_out(redis, names, dispatch):
+    jobs = [_job(SchedulingMeta("a", 5, None, float(i))) for i in range(3)]
+    _create_records(redis, names, jobs)
+    for job in jobs:
+        dispatch.push(job)
+    bound = dispatch.claim(MODEL, "w", "s1")
+    assert dispatch.remove(bound.job_id) is False  # bound, not waiting
+    assert dispatch.remove(jobs[2].job_id) is True
+    assert dispatch.remove(jobs[2].job_id) is False
+    assert redis.exists(names.fair_message(jobs[2].job_id)) == 0
+    dispatch.unbind("s1")
+    assert dispatch.bound_job("s1") is None
+    assert redis.exists(names.fair_message(bound.job_id)) == 0
+    assert redis.hget(names.fair_index, bound.job_id) is None
+    assert dispatch.release("s1") is None
+    assert dispatch.claim(MODEL, "w", "s2").job_id == jobs[1].job_id
+    assert dispatch.claim(MODEL, "w", "s3") is None
+
+
+def test_claim_skips_jobs_that_ended_or_are_cancelling(redis, names, dispatch):
+    jobs = [_job(SchedulingMeta("a", 5, None, float(i))) for i in range(4)]
+    for job, state in zip(jobs, ["expired", "cancelling", "completed", "queued"], strict=True):
+        _create_records(redis, names, [job], state=state)
+        dispatch.push(job)
+    assert dispatch.claim(MODEL, "w", "s").job_id == jobs[3].job_id
+    assert dispatch.waiting(MODEL) == 0
+    for job in jobs[:3]:
+        assert redis.hget(names.fair_index, job.job_id) is None
+        assert redis.exists(names.fair_message(job.job_id)) == 0
+
+
+def test_refund_gives_back_unused_output_divided_by_weight(redis, names, dispatch):
+    redis.hset(names.tenant_weights, "heavy", "2.0")
+    job = _job(SchedulingMeta("heavy", 5, None, 1.0), prompt=40, max_tokens=100)
+    _create_records(redis, names, [job])
+    dispatch.push(job)
+    dispatch.claim(MODEL, "w", "s")
+    assert dispatch.counters(MODEL)["heavy"] == 70.0  # (40 + 100) / 2
+    dispatch.refund(MODEL, "heavy", 64)
+    assert dispatch.counters(MODEL)["heavy"] == 38.0
+
+
+def test_two_concurrent_claimers_never_share_a_job(redis_url, names):
+    from pagedq.store.connection import redis_client
+
+    clients = [redis_client(redis_url) for _ in range(2)]
+    try:
+        setup = FairDispatch(clients[0], names)
+        jobs = [_job(_random_meta(["a", "b", "c"], [2, 6])) for _ in range(300)]
+        _create_records(clients[0], names, jobs)
+        for job in jobs:
+            setup.push(job)
+        taken: list[list[str]] = [[], []]
+
+        def claimer(i: int) -> None:
+            d = FairDispatch(clients[i], names)
+            n = 0
+            while True:
+                slot = f"w{i}-slot-{n % 4}"
+                job = d.claim(MODEL, f"w{i}", slot)
+                if job is None:
+                    return
+                taken[i].append(job.job_id)
+                if n % 5 == 4 and d.release(slot) == job.job_id:  # sometimes hand it back instead
+                    taken[i].pop()
+                else:
+                    d.unbind(slot)
+                n += 1
+
+        threads = [threading.Thread(target=claimer, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert all(taken), "both claimers got work"
+        everything = taken[0] + taken[1]
+        assert len(everything) == len(set(everything)) == len(jobs)
+        assert setup.waiting(MODEL) == 0
+    finally:
+        for c in clients:
+            c.close()
