@@ -127,6 +127,10 @@ class Settings(BaseSettings):
     tenant_backlog_share: float = Field(
         0.5, gt=0, le=1, description="one tenant's jobs of a model accepted and not yet ended are at most "
                                      "ceil(this x max_queued_jobs); beyond it its submits get queue_full")
+    fair_share: bool = Field(False, description="fair dispatch: generate jobs wait in a Redis fair queue per model "
+                             "(priority band, then the least-served tenant, then deadline and arrival) and a GPU "
+                             "worker claims the next one when it has room; false = kombu's arrival order per "
+                             "priority (store/dispatch.py, docs/queue.md)")
     batch_priority: int | None = Field(None, ge=0, le=9, description="priority of batch jobs (Batches API, "
                                        "submit_batch, run-batch) whose line sets none; unset = default_priority")
     max_attempts: int = Field(3, ge=1, description="starts of a job whose worker dies each time before it "
