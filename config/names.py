@@ -19,6 +19,8 @@ from pagedq.config.settings import Settings
 PREPROCESS_TASK = "pagedq.preprocess"
 GENERATE_TASK = "pagedq.generate"
 POSTPROCESS_TASK = "pagedq.postprocess"
+# With fair dispatch (PAGEDQ_FAIR_SHARE): a generate *token*, "a job of model M", bound to a job when it runs.
+DISPATCH_TASK = "pagedq.dispatch"
 
 PRIORITY_STEPS = list(range(10))
 KOMBU_PRIORITY_SEP = "\x06\x16"  # kombu's default separator between a queue name and its priority
@@ -218,8 +220,6 @@ class Names:
         """Hash: tenant -> weight (a float as a string; missing = 1.0), written by whoever submits for it."""
         return f"{self.key_prefix}tenant_weights"
 
-    # --- workers and models ---------------------------------------------------
-    def model(self, model: str) -> str:
     # --- fair dispatch (store/dispatch.py) -------------------------------------
     def fair_prefix(self, model: str) -> str:
         """Prefix of a model's fair-queue keys (``fair_tenants``, ``fair_band``, ``fair_waiting``, ``fair_seq``):
@@ -275,6 +275,8 @@ class Names:
         """String with a TTL: the token of the process watching deadlines now (one ticks at a time)."""
         return f"{self.key_prefix}deadline-lock"
 
+    # --- workers and models ---------------------------------------------------
+    def model(self, model: str) -> str:
         """Hash: a served model's name, fingerprint, max_model_len, vocab_size."""
         return f"{self.key_prefix}model:{model_slug(model)}"
 
