@@ -9,6 +9,8 @@
   was lost on its way (a worker killed mid-delivery) is sent again.
 - the batch finalizer in a thread: a batch whose last job ended gets its
   output files written (``gateway/batches.py``).
+- the deadline watch (``store.deadlines``) in a thread: a waiting job whose
+  start deadline (``timeout_s``) passed ends expired, whether or not a GPU worker is up.
 - ``postprocess`` (queue ``pagedq.results``), the result consumer:
   detokenizes, applies stop strings, builds the chat / text completion object,
   and publishes result + state in one atomic, once-only step.
@@ -53,6 +55,7 @@ from pagedq.pipeline.postprocess import build_response, cache_answer
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
 from pagedq.store.connection import broker_url, redis_client
+from pagedq.store.deadlines import DeadlineWatch, start_watching
 from pagedq.store.jobs import JobStore
 from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.store.registry import lookup_model
@@ -256,6 +259,7 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),
                          interval_s=message_lease_s(settings), owner=hostname, max_resends=settings.max_attempts)
     start_sweeping(sweep)
+    start_watching(DeadlineWatch(store, owner=hostname))  # waiting jobs past their start deadline end expired
     start_finalizing(settings, r)
     metrics = task_metrics(settings, hostname)  # off unless PAGEDQ_METRICS_PORT
     # Results first: at equal priority, finishing a job beats starting another.

@@ -87,6 +87,7 @@ local watch_from = tonumber(t[1]) + tonumber(t[2]) / 1e6 + plan.grace
 for j, fields in ipairs(plan.jobs) do
   redis.call('HSET', KEYS[1 + ncounters + j], unpack(fields))
   redis.call('ZADD', KEYS[1], watch_from, plan.ids[j])
+  for k = 1, #fields, 2 do if fields[k] == 'expires_at' then redis.call('ZADD', plan.deadlines, fields[k + 1], plan.ids[j]) end end
 end
 for _, kv in ipairs(plan.messages) do redis.call('SET', kv[1], kv[2]) end
 for _, queue in ipairs(plan.queues) do redis.call('SADD', KEYS[#KEYS], queue) end
@@ -124,7 +125,7 @@ end
 return 0
 """
 
-# KEYS: job hash, result, delta stream, message, active-jobs set, batches-to-finalize set.
+# KEYS: job hash, result, delta stream, message, active-jobs set, batches-to-finalize set, deadlines.
 # ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id, the delta stream's TTL.
 # A batch's job keeps its record and result (no TTL) until the batch is finalized: the finalizer gives them
 # their TTL once the batch's output is written (pipeline/gateway/batches.py), so no line is lost to a batch
@@ -134,6 +135,7 @@ local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
 local state, now, ttl = ARGV[1], ARGV[2], ARGV[3]
 redis.call('ZREM', KEYS[5], ARGV[7])
+redis.call('ZREM', KEYS[7], ARGV[7])  -- names.deadlines
 redis.call('DEL', KEYS[4])
 if ARGV[4] ~= '' then redis.call('SET', KEYS[2], ARGV[4], 'EX', ttl) end
 redis.call('HSET', KEYS[1], 'state', state, state .. '_at', now)
@@ -240,7 +242,7 @@ class JobStore:
                 "jobs": [_flat(fields) for _, fields in jobs],
                 "ids": [job_id for job_id, _ in jobs],
                 "messages": [[self.names.job_message(j), m] for j, m in (messages or {}).items()],
-                "batch": None, "batch_jobs": [], "grace": self.send_grace_s,
+                "batch": None, "batch_jobs": [], "grace": self.send_grace_s, "deadlines": self.names.deadlines,
                 "queues": sorted({self.names.generate_queue(f["model"]) for _, f in jobs if f.get("model")})}
         if batch is not None:
             batch_key, fields, job_ids = batch
@@ -305,7 +307,7 @@ class JobStore:
         n = self.names
         return bool(self._finish(
             keys=[n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
-                  n.batches_to_finalize],
+                  n.batches_to_finalize, n.deadlines],
             args=[state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
                   json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id,
                   n.stream_ttl_after_end_s]))
