@@ -130,7 +130,7 @@ class EngineService:
             self.metrics.added(job.job_id)
             self.jobs_received += 1
             try:
-                self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority)
+                self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority, job.meta)
             except Exception:
                 del self.handles[job.job_id]
                 raise

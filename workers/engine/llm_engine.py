@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pagedq.config.messages import RequestError, check_context
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import SchedulingMeta
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import Executor, ReplicaLostError
 from pagedq.workers.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -106,9 +107,11 @@ class LLMEngine:
                                "raise kv_cache_memory", "max_tokens", code="context_length_exceeded")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, meta: SchedulingMeta | None = None) -> None:
+        """``meta`` (tenant, deadline) places the request among the waiting ones (``Scheduler``); ``priority``
+        is its band."""
         self.validate(prompt_token_ids, params)
-        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params, priority)))
+        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params, priority, meta)))
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -268,7 +271,7 @@ class LLMEngine:
                                               self.config.enable_prefix_caching,
                                               extra_key=f"{self.config.model_name}:{fingerprint}")
             self.scheduler = Scheduler(self.block_manager, old.max_num_seqs, old.max_num_batched_tokens,
-                                       old.policy, old.eos_token_ids, old.max_model_len)
+                                       old.policy, old.eos_token_ids, old.max_model_len, old.counters)
             self.scheduler.stats = old.stats
             for seq in running:  # their blocks belonged to the old pool
                 seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0

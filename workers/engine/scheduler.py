@@ -13,8 +13,14 @@ the step's bookkeeping: computed tokens, full blocks into the prefix cache,
 new tokens appended, stops by token id or length, finished sequences out of
 the running set with their blocks freed.
 
-Urgency is ``(priority desc, arrival asc)`` under the ``priority`` policy and
-arrival order under ``fcfs``.
+Which waiting sequence is admitted next, under the ``priority`` policy, is the
+fleet order (``pagedq.fleet.policy.FairQueue``, docs/queue.md "Which job
+next"): strict priority; within a priority, the tenant with the least weighted
+service (virtual token counters charged here with the prompt tokens computed
+and the output tokens generated); within a tenant, earliest start deadline,
+then arrival.  Under ``fcfs`` it is arrival order.  Among running sequences
+(who is preempted first) urgency is ``(priority desc, arrival asc)``, or
+arrival under ``fcfs``.
 
 With pipeline stages several micro-batches are in flight at once.  A
 sequence in one of them is *busy*: its next token is not known yet, so it is
@@ -27,10 +33,11 @@ across the micro-batches.
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedq.config.scheduling import SchedulingMeta
+from pagedq.fleet.policy import FairQueue, VirtualTokenCounters
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import StepResult
 from pagedq.workers.engine.sequence import Sequence, SequenceStatus
@@ -79,7 +86,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "priority", eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 1 << 30) -> None:
+                 max_model_len: int = 1 << 30, counters: VirtualTokenCounters | None = None) -> None:
         if policy not in ("priority", "fcfs"):
             raise ValueError(f"scheduling policy must be 'priority' or 'fcfs', not {policy!r}")
         self.bm = block_manager
@@ -88,7 +95,8 @@ class Scheduler:
         self.policy = policy
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.waiting: list[tuple[tuple, Sequence]] = []  # heap of (urgency key, seq)
+        self.counters = counters or VirtualTokenCounters()  # per tenant: weighted tokens served here
+        self.waiting: FairQueue[Sequence] = FairQueue(self.counters)
         self.running: list[Sequence] = []  # most urgent first
         self.busy: set[int] = set()  # id() of sequences in micro-batches in flight
         self._deferred: dict[int, tuple[Sequence, str]] = {}  # busy sequences to finish when they come back
@@ -103,9 +111,15 @@ class Scheduler:
     def urgency(self, seq: Sequence) -> tuple:
         return (-seq.priority, seq.arrival) if self.policy == "priority" else (seq.arrival,)
 
+    def place(self, seq: Sequence) -> SchedulingMeta:
+        """Where a sequence waits: its band, tenant, deadline and arrival; one band and tenant under ``fcfs``."""
+        if self.policy == "priority":
+            return SchedulingMeta(seq.tenant, seq.priority, seq.deadline, seq.arrival)
+        return SchedulingMeta("", 0, None, seq.arrival)
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        heapq.heappush(self.waiting, (self.urgency(seq), seq))
+        self.waiting.push(seq, self.place(seq))
 
     def finish(self, seq: Sequence, reason: str) -> bool:
         """End a sequence from outside (abort, stop string): out of the queues, blocks freed.
@@ -123,8 +137,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         else:
-            self.waiting = [item for item in self.waiting if item[1] is not seq]
-            heapq.heapify(self.waiting)
+            self.waiting.remove(seq)
         self.bm.free_sequence(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -177,8 +190,8 @@ class Scheduler:
             break
 
         # 2. Waiting sequences, unless this step already had to preempt.
-        while self.waiting and budget > 0 and not out.preempted:
-            seq = self.waiting[0][1]
+        while len(self.waiting) and budget > 0 and not out.preempted:
+            seq = self.waiting.peek()
             if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, out):
                 break
             n = self._admit(seq, budget)
@@ -187,7 +200,10 @@ class Scheduler:
             if n is None:
                 break
             budget = self.max_num_batched_tokens - sum(planned.values()) - n
-            heapq.heappop(self.waiting)
+            if self.waiting.peek() is seq:  # it is: a victim re-queued above waits in a lower band
+                self.waiting.pop()
+            else:
+                self.waiting.remove(seq)
             if seq.num_preemptions == 0:
                 self.stats.prefix_queries += seq.num_prompt_tokens
                 self.stats.prefix_hits += seq.num_computed_tokens
@@ -253,12 +269,15 @@ class Scheduler:
         for seq, n in result.sched.scheduled:
             self.busy.discard(id(seq))
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                st.prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                prompt = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                st.prompt_tokens_computed += prompt
+                self.counters.charge(seq.tenant, prompt_tokens=prompt)
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
         finished: list[Sequence] = []
         for seq, token, logprob in zip(result.seqs, result.sampled.token_ids, result.sampled.logprobs,
                                        strict=True):
+            self.counters.charge(seq.tenant, output_tokens=1)
             seq.token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)

@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import DEFAULT_TENANT, SchedulingMeta
 
 _arrivals = itertools.count()
 
@@ -20,12 +21,14 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> None:
+                 priority: int = 0, meta: SchedulingMeta | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.params = params
         self.priority = priority  # higher = more urgent
+        self.tenant = meta.tenant if meta else DEFAULT_TENANT  # whose service this sequence is charged to
+        self.deadline = meta.deadline if meta else None  # latest start (seconds since the epoch), or None
         self.arrival = next(_arrivals)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache

@@ -1,0 +1,116 @@
+"""The engine's admission order under the ``priority`` policy: strict priority, then the least-served tenant
+(weighted virtual token counters), then deadline, then arrival.  The scheduler alone: no model, no processes."""
+
+from __future__ import annotations
+
+import random
+
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import SchedulingMeta
+from pagedq.fleet.policy import VirtualTokenCounters
+from pagedq.workers.engine.block_manager import BlockManager
+from pagedq.workers.engine.executor import SamplerOutput, StepResult
+from pagedq.workers.engine.scheduler import Scheduler
+from pagedq.workers.engine.sequence import Sequence
+
+
+def make_scheduler(seats: int = 1, policy: str = "priority", weights: dict | None = None) -> Scheduler:
+    return Scheduler(BlockManager(4096, block_size=4, enable_prefix_caching=False), max_num_seqs=seats,
+                     max_num_batched_tokens=512, policy=policy,
+                     counters=VirtualTokenCounters(weights=weights or {}))
+
+
+def seq(name: str, tenant: str, priority: int = 5, deadline: float | None = None,
+        prompt_len: int | None = None, max_tokens: int | None = None) -> Sequence:
+    prompt = [random.randrange(1000) for _ in range(prompt_len or random.randint(4, 40))]
+    params = SamplingParams(max_tokens=max_tokens or random.randint(2, 12), temperature=0, ignore_eos=True)
+    return Sequence(name, prompt, params, priority, SchedulingMeta(tenant, priority, deadline, 0.0))
+
+
+def run(sched: Scheduler, arrivals: dict[int, list[Sequence]] | None = None,
+        seen: list[dict[str, float]] | None = None) -> list[Sequence]:
+    """Step the scheduler until nothing is left (``arrivals``: sequences added before step i); the admission
+    order.  ``seen`` gets the tenants' counters at each admission."""
+    admitted: list[Sequence] = []
+    arrivals = dict(arrivals or {})
+    for _ in range(100_000):
+        for s in arrivals.pop(sched.stats.steps, []):
+            sched.add(s)
+        counters = dict(sched.counters.counters)
+        out = sched.schedule()
+        if out.is_empty and not arrivals:
+            return admitted
+        fresh = [s for s, _ in out.scheduled if s not in admitted]
+        admitted += fresh
+        if seen is not None:
+            seen += [counters] * len(fresh)
+        sampled = [s for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens]
+        sched.update_from_output(StepResult(out, sampled, SamplerOutput([1] * len(sampled), [None] * len(sampled))))
+    raise AssertionError("the scheduler did not finish")
+
+
+def cost(s: Sequence) -> int:
+    return s.num_prompt_tokens + s.params.max_tokens
+
+
+def test_backlogged_tenants_are_served_by_weight_within_the_vtc_bound():
+    weights = {"a": random.choice([1.0, 2.0, 3.0]), "b": 1.0}
+    sched = make_scheduler(weights=weights)
+    jobs = [seq(f"{t}{i}", t) for t in "ab" for i in range(60)]
+    random.shuffle(jobs)
+    for s in jobs:
+        sched.add(s)
+    seen: list[dict[str, float]] = []
+    order = run(sched, seen=seen)
+    assert sorted(s.request_id for s in order) == sorted(s.request_id for s in jobs)
+    bound = 2 * max(cost(s) for s in jobs)  # VTC: two backlogged clients' weighted service differs by at most this
+    last_a = max(i for i, s in enumerate(order) if s.tenant == "a")
+    last_b = max(i for i, s in enumerate(order) if s.tenant == "b")
+    for counters in seen[1:min(last_a, last_b)]:  # while both are backlogged
+        assert abs(counters.get("a", 0.0) - counters.get("b", 0.0)) <= bound, (counters, weights)
+    both = order[:min(last_a, last_b)]
+    ratio = sum(cost(s) for s in both if s.tenant == "a") / sum(cost(s) for s in both if s.tenant == "b")
+    assert abs(ratio - weights["a"]) <= 0.25 * weights["a"], f"token ratio {ratio:.2f}, weights {weights}"
+
+
+def test_priority_is_strict_across_tenants():
+    sched = make_scheduler(seats=2)
+    sched.counters.charge("busy", prompt_tokens=10_000)  # far more served than anyone
+    low = [seq(f"low{i}", "idle", priority=random.randint(0, 4)) for i in range(6)]
+    high = [seq(f"high{i}", "busy", priority=random.randint(5, 9)) for i in range(6)]
+    for s in random.sample(low + high, 12):
+        sched.add(s)
+    order = run(sched)
+    assert {s.request_id for s in order[:6]} == {s.request_id for s in high}
+    prios = [s.priority for s in order]
+    assert prios == sorted(prios, reverse=True), "bands are strict, whatever the tenants' service"
+
+
+def test_within_a_tenant_the_earliest_deadline_goes_first_then_arrival():
+    sched = make_scheduler()
+    deadlines = random.sample(range(1_000, 2_000), 5)
+    timed = [seq(f"d{d}", "a", deadline=float(d)) for d in deadlines]
+    untimed = [seq(f"n{i}", "a") for i in range(3)]
+    for s in untimed[:2] + timed + untimed[2:]:
+        sched.add(s)
+    order = [s.request_id for s in run(sched)]
+    assert order == [f"d{d}" for d in sorted(deadlines)] + [s.request_id for s in untimed]
+
+
+def test_a_returning_tenant_banks_no_credit_for_its_idle_time():
+    sched = make_scheduler()
+    a = [seq(f"a{i}", "a", prompt_len=20, max_tokens=4) for i in range(40)]
+    b = [seq(f"b{i}", "b", prompt_len=20, max_tokens=4) for i in range(10)]
+    order = run(sched, {0: a, 60: b})  # b arrives after a has been served alone for a while
+    first_b = next(i for i, s in enumerate(order) if s.tenant == "b")
+    assert first_b > 10, "a was served alone before b came"
+    after = [s.tenant for s in order[first_b:first_b + 10]]
+    assert 3 <= after.count("b") <= 7, f"b shares from its return on, neither starved nor caught up: {after}"
+
+
+def test_fcfs_is_arrival_order_whatever_the_tenant_or_priority():
+    sched = make_scheduler(policy="fcfs")
+    jobs = [seq(f"j{i}", random.choice("abc"), priority=random.randint(0, 9)) for i in range(12)]
+    for s in jobs:
+        sched.add(s)
+    assert [s.request_id for s in run(sched)] == [s.request_id for s in jobs]
