@@ -19,20 +19,24 @@
 - The Redis transport is kombu's, hardened so garbage pushed onto a queue is
   logged and dropped instead of stopping the worker (``pagedq.store.transport``,
   named here by its import path: kombu loads it).
-- Routes: ``task_routes`` sends each task to its queue (generate by the
-  model named in its message), so no call site names a queue.
+- Routes: ``task_routes`` sends each task to its queue (generate, and the
+  fair-dispatch token, by the model named in its message), so no call site
+  names a queue.
 """
 
 from __future__ import annotations
 
 import ssl
 import time
+import uuid
+from dataclasses import dataclass
 
 from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
 
 from pagedq.config.messages import PreprocessJob, to_json
 from pagedq.config.names import (
+    DISPATCH_TASK,
     GENERATE_TASK,
     KOMBU_PRIORITY_SEP,
     POSTPROCESS_TASK,
@@ -47,7 +51,7 @@ TRANSPORT = "pagedq.store.transport:Transport"
 
 
 class TaskRouter:
-    """Celery router: each pagedq task to its queue; generate to its model's queue."""
+    """Celery router: each pagedq task to its queue; generate, and dispatch tokens, to their model's queue."""
 
     def __init__(self, names: Names) -> None:
         self.names = names
@@ -57,7 +61,7 @@ class TaskRouter:
             return {"queue": self.names.preprocess_queue}
         if name == POSTPROCESS_TASK:
             return {"queue": self.names.results_queue}
-        if name == GENERATE_TASK and args and isinstance(args[0], dict):
+        if name in (GENERATE_TASK, DISPATCH_TASK) and args and isinstance(args[0], dict):
             return {"queue": self.names.generate_queue(str(args[0].get("model", "")))}
         return None
 
@@ -152,3 +156,29 @@ def send_preprocess(app: Celery, msg: PreprocessJob, priority: int) -> None:
     """Send a job's preprocess message: the producer's send, and the lost-job sweep's resend."""
     app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=broker_priority(priority),
                   argsrepr=msg.describe(), kwargsrepr="{}")
+
+
+@dataclass(frozen=True)
+class DispatchToken:
+    """A fair-dispatch token: "run a job of ``model``", on the model's generate queue at a job's broker priority.
+
+    It names no job: the GPU worker that runs it claims the next job of the model's fair queue in fleet order
+    when its engine has room, binding it to ``slot`` (``store/dispatch.py``).  One token is sent per job pushed;
+    a token that finds nothing to claim ends.  ``slot`` is unique per token and survives redelivery, so a token
+    restored from a dead worker still names the job it was bound to."""
+
+    model: str
+    slot: str
+    priority: int
+
+    def describe(self) -> str:
+        return f"model={self.model} priority={self.priority} slot={self.slot} (binds a job when it runs)"
+
+
+def send_dispatch_token(app: Celery, model: str, priority: int, slot: str | None = None) -> DispatchToken:
+    """Send one token for a job of ``model`` pushed into its fair queue: the preprocess's send, the lost-job
+    sweep's top-up, and a worker with no free seat handing an unbound token on (``slot``: the same one)."""
+    token = DispatchToken(model, slot or uuid.uuid4().hex, priority)
+    app.send_task(DISPATCH_TASK, args=[{"model": model, "slot": token.slot, "priority": priority}],
+                  priority=broker_priority(priority), argsrepr=token.describe(), kwargsrepr="{}")
+    return token

@@ -31,7 +31,7 @@ from celery import Celery
 from celery.exceptions import Reject, Retry
 
 from pagedq.config import Settings
-from pagedq.config.celery_app import make_celery, message_lease_s, send_preprocess
+from pagedq.config.celery_app import make_celery, message_lease_s, send_dispatch_token, send_preprocess
 from pagedq.config.messages import (
     Completion,
     GenerateJob,
@@ -56,6 +56,7 @@ from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
 from pagedq.store.connection import broker_url, redis_client
 from pagedq.store.deadlines import DeadlineWatch, start_watching
+from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore
 from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.store.registry import lookup_model
@@ -141,6 +142,7 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
                        tokenizers: Tokenizers) -> None:
     max_model_waits = int(settings.model_wait_s / MODEL_WAIT_RETRY_S)
     cache = ResultCache(r, names, settings.result_cache_ttl_s, settings.result_cache_max_bytes)
+    fair = FairDispatch(r, names) if settings.fair_share else None
 
     @app.task(name=PREPROCESS_TASK, bind=True, max_retries=None, throws=(JobNotCompleted,))
     def preprocess(self, payload):
@@ -168,8 +170,12 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
             store.finish(msg.job_id, JobState.FAILED, error=error.to_dict())
             raise JobNotCompleted(f"job {msg.job_id} failed: {error.code}: {error}") from None
         store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids))
-        self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority),
-                           argsrepr=job.describe(), kwargsrepr="{}")
+        if fair is not None:  # the job waits in its model's fair queue; a token runs the next one in line
+            fair.push(job)  # before the token, and before this message is acknowledged: never a token too few
+            send_dispatch_token(self.app, job.model, job.priority)
+        else:
+            self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority),
+                               argsrepr=job.describe(), kwargsrepr="{}")
         return {"job_id": msg.job_id, "prompt_tokens": len(job.prompt_token_ids)}
 
     @app.task(name=POSTPROCESS_TASK, bind=True, throws=(JobNotCompleted,))
@@ -257,7 +263,9 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts)
     register_cpu_tasks(app, settings, r, store, names, tokenizers)
     sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),
-                         interval_s=message_lease_s(settings), owner=hostname, max_resends=settings.max_attempts)
+                         interval_s=message_lease_s(settings), owner=hostname, max_resends=settings.max_attempts,
+                         send_token=(lambda model, priority: send_dispatch_token(app, model, priority))
+                         if settings.fair_share else None)
     start_sweeping(sweep)
     start_watching(DeadlineWatch(store, owner=hostname))  # waiting jobs past their start deadline end expired
     start_finalizing(settings, r)

@@ -29,6 +29,7 @@ import redis
 
 from pagedq.config.messages import RequestError
 from pagedq.config.names import JobState, Names
+from pagedq.store.dispatch import FairDispatch
 
 # KEYS: job. ARGV: now, '1' to take the job, the taking worker, max attempts, the worker-record key prefix.
 # The deadline is judged on Redis's clock.  An attempt is counted unless the previous holder is alive and did
@@ -321,8 +322,12 @@ class JobStore:
         return False
 
     def request_cancel(self, job_id: str) -> str:
-        """Mark a queued or running job 'cancelling'. Returns the state it was in ('missing' if unknown)."""
-        return self._cancel(keys=[self.names.job(job_id)], args=[now()])
+        """Mark a queued or running job 'cancelling'. Returns the state it was in ('missing' if unknown).
+        A queued job waiting in a fair queue leaves it (a claim would skip it anyway: ``store/dispatch``)."""
+        previous = self._cancel(keys=[self.names.job(job_id)], args=[now()])
+        if previous == JobState.QUEUED:
+            FairDispatch(self.r, self.names).remove(job_id)
+        return previous
 
     def settle(self, job_id: str, verdict: str) -> None:
         """Act on an ``admit`` verdict other than 'ok': a job that cannot proceed ends here."""

@@ -30,6 +30,16 @@ sent again; preprocessing and generation then run as for a new job, and
 ``finish`` still publishes once.  A job sent again ``max_resends`` times ends
 failed with code ``lost``.
 
+With fair dispatch (``store/dispatch``) a generated job has no message of
+its own: it waits in its model's fair queue, which is durable (held), or is
+bound to a token's slot, and is held iff that token's message is on a queue or
+in ``unacked``.  A bound job missing twice goes back into its fair queue
+(``FairDispatch.release``; fenced and counted as a resend).  And since a token
+runs whichever job is next, what must not fall short is their number: a model
+whose fair queue holds more jobs than there are unbound tokens on its queue
+and in ``unacked`` in two sweeps in a row gets the missing tokens (*top-up*;
+a spare token finds nothing to claim and ends).
+
 The lock is owner-checked: held under a token, renewed while the sweep reads
 (compare-and-extend; taken back if it lapsed with nobody else holding it),
 kept for the rest of the interval once done, released only by its owner.  Resending is fenced inside Lua: the script sends nothing
@@ -46,9 +56,10 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from pagedq.config.messages import PreprocessJob, RequestError
-from pagedq.config.names import JobState
+from pagedq.config.names import JobState, model_slug
+from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore, now
-from pagedq.store.transport import job_id_of
+from pagedq.store.transport import job_id_of, slot_of
 
 log = logging.getLogger("pagedq.lost_jobs")
 
@@ -100,6 +111,7 @@ return 1
 """
 
 Send = Callable[[PreprocessJob, int], None]  # (the job's preprocess message, its pagedq priority)
+SendToken = Callable[[str, int], None]  # (a model, the pagedq priority of a token for a job of it)
 
 
 class LockLost(RuntimeError):
@@ -108,9 +120,13 @@ class LockLost(RuntimeError):
 
 class LostJobSweep:
     def __init__(self, store: JobStore, send: Send, interval_s: float, owner: str, max_resends: int = 3,
-                 page: int = PAGE) -> None:
+                 page: int = PAGE, send_token: SendToken | None = None) -> None:
         self.store, self.r, self.names = store, store.r, store.names
         self.send = send
+        self.send_token = send_token  # fair dispatch's tokens (None: no top-up)
+        self.fair = FairDispatch(store.r, store.names)
+        self._bound: dict[str, str] = {}  # this sweep's bound jobs -> their slots
+        self._short: dict[str, int] = {}  # generate queue -> tokens short at the last sweep
         self.interval_s = interval_s
         self.owner = owner
         self.token = f"{owner}:{uuid.uuid4().hex}"  # unique per sweeper, even for two with one hostname
@@ -170,6 +186,8 @@ class LostJobSweep:
                 resent.append(job)
         self._suspect(keys=[self.names.sweep_lock, self.names.lost_suspects],
                       args=[self.token, int(self.interval_s * 3) + 1, *sorted(missing - before)])
+        if self.send_token is not None:
+            self._top_up()
 
     def queues(self) -> list[str]:
         """The queues job messages live on: preprocess, results and every generate queue a job was created for."""
@@ -177,18 +195,90 @@ class LostJobSweep:
         return [n.preprocess_queue, n.results_queue, *sorted(self.r.smembers(n.job_queues))]
 
     def _jobs_with_a_message(self, wanted: set[str]) -> set[str]:
-        """The jobs named by a message on a known queue or in ``unacked``; stops early once all of ``wanted``
-        are found.  Lists first, then ``unacked``: a message moving on (list -> unacked) is seen once either way."""
-        held: set[str] = set()
+        """The jobs named by a message on a known queue or in ``unacked``, or waiting in a fair queue, or bound
+        to a token whose message is on a queue or in ``unacked``; stops early once all of ``wanted`` are found.
+        Lists first, then ``unacked``: a message moving on (list -> unacked) is seen once either way."""
+        held, slots = self._in_fair_queues(wanted)
         for raws in self._pages():
             for raw in raws:
-                job = _job_of(raw)
+                job, slot = _ref_of(raw)
                 if job is not None:
                     held.add(job)
+                elif slot in slots:
+                    held.add(slots[slot])
             if wanted <= held:
                 break
             self._renew_if_due()
         return held
+
+    def _in_fair_queues(self, jobs: set[str]) -> tuple[set[str], dict[str, str]]:
+        """(the jobs waiting in a fair queue, {slot: job} for those bound to a token's slot)."""
+        self._bound = {}
+        if not jobs:
+            return set(), {}
+        ids = sorted(jobs)
+        waiting: set[str] = set()
+        for i in range(0, len(ids), self.page):
+            page = ids[i:i + self.page]
+            for job, raw in zip(page, self.r.hmget(self.names.fair_index, page), strict=True):
+                if raw is None:
+                    continue
+                slot = json.loads(raw).get("slot")
+                if slot:
+                    self._bound[job] = slot
+                else:
+                    waiting.add(job)
+        return waiting, {slot: job for job, slot in self._bound.items()}
+
+    def _top_up(self) -> None:
+        """Send the tokens a model's fair queue is short of, when it was short at the last sweep too (the
+        preprocess pushes a job a moment before it sends its token)."""
+        short: dict[str, int] = {}
+        for queue in sorted(self.r.smembers(self.names.job_queues)):
+            model = model_slug(queue.removeprefix(f"{self.names.queue_prefix}generate."))  # fair keys take a slug
+            waiting = self.fair.waiting(model)
+            if not waiting:
+                continue
+            lists = self.names.broker_lists(queue)
+            with self.r.pipeline(transaction=False) as pipe:
+                for key in lists:
+                    pipe.llen(key)
+                queued = sum(pipe.execute())  # at most this many unbound tokens wait on the lists
+            if queued >= waiting:
+                continue
+            need = waiting - queued - self._unbound_tokens_held(queue)
+            if need > 0:
+                short[queue] = need
+                if queue in self._short:
+                    self._send_tokens(model, min(need, self._short[queue]))
+        self._short = short
+
+    def _unbound_tokens_held(self, queue: str) -> int:
+        """Tokens of ``queue`` in ``unacked`` bound to no job (waiting for a free seat)."""
+        slots: list[str] = []
+        cursor = 0
+        while True:
+            cursor, fields = self.r.hscan(self.names.unacked, cursor, count=self.page)
+            for raw in fields.values():
+                try:
+                    payload, _, routing_key = json.loads(raw)
+                except (ValueError, TypeError):
+                    continue
+                slot = slot_of(payload) if isinstance(payload, dict) and routing_key == queue else None
+                if slot is not None:
+                    slots.append(slot)
+            if cursor == 0:
+                break
+        if not slots:
+            return 0
+        return sum(bound is None for bound in self.r.mget([self.names.slot(s) for s in slots]))
+
+    def _send_tokens(self, model: str, n: int) -> None:
+        bands = [p for p in range(9, -1, -1) if self.r.scard(self.names.fair_tenants(model, p))]
+        priority = bands[0] if bands else 5
+        log.warning("fair queue of %s: %d job(s) waiting without a token; sent %d", model, n, n)
+        for _ in range(n):
+            self.send_token(model, priority)
 
     def _pages(self) -> Iterable[list[str]]:
         lists = [key for q in self.queues() for key in self.names.broker_lists(q)]
@@ -225,6 +315,12 @@ class LostJobSweep:
             log.error("job %s: %s; failed", job_id, why)
             self.store.finish(job_id, JobState.FAILED, error=RequestError(why, code="lost").to_dict())
             return False
+        slot = self._bound.get(job_id)
+        if slot is not None:  # bound to a token that is gone: back in its fair queue, where it is held
+            self.fair.release(slot)
+            log.warning("job %s was bound to a token found on no queue or worker; back in its fair queue", job_id)
+            self.store.mark_sent([job_id])
+            return True
         priority = int(self.r.hget(n.job(job_id), "priority") or 0)
         log.warning("job %s had no message on any queue or worker; sent again", job_id)
         try:
@@ -242,12 +338,15 @@ def _server_now(r) -> float:
     return seconds + micros / 1e6
 
 
-def _job_of(raw: str) -> str | None:
-    """The job a raw queue item or ``unacked`` value (``[payload, exchange, routing key]``) is a message of."""
+def _ref_of(raw: str) -> tuple[str | None, str | None]:
+    """(the job, the token slot) a raw queue item or ``unacked`` value (``[payload, exchange, routing key]``)
+    names; (None, None) for any other message."""
     try:
         payload = json.loads(raw)
     except ValueError:
-        return None
+        return None, None
     if isinstance(payload, list) and payload:
         payload = payload[0]
-    return job_id_of(payload) if isinstance(payload, dict) else None
+    if not isinstance(payload, dict):
+        return None, None
+    return job_id_of(payload), slot_of(payload)

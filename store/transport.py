@@ -14,7 +14,10 @@ visibility timeout.  Here a live consumer renews the time of every message it
 holds every ``lease_renew_interval`` seconds, so the visibility timeout is a
 *lease*: a message is redelivered only when the worker holding it stopped
 renewing (it died), however long its job runs.  A restored generate message
-also puts its job back to ``queued`` in the same transaction, once.
+also puts its job back to ``queued`` in the same transaction, once; a restored
+fair-dispatch token (``pagedq.dispatch``) does the same to the job bound to its
+slot, and puts that job back into its model's fair queue (``FairDispatch.release``),
+also in the same transaction: the token returns unbound, its job waits in line.
 
 One clock: every lease time is Redis's ``TIME``, read inside the script that
 writes or judges it, never a host's own clock (a host whose clock runs ahead
@@ -42,7 +45,8 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK, Names
+from pagedq.config.names import DISPATCH_TASK, GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK, Names
+from pagedq.store.dispatch import _RELEASE
 
 log = logging.getLogger("pagedq.transport")
 
@@ -59,6 +63,20 @@ if redis.call('HGET', KEYS[1], 'state') == 'in_progress' then
   redis.call('HINCRBY', KEYS[1], 'redeliveries', 1)
 end
 return 0
+"""
+
+# KEYS: a token's slot. ARGV: the job-key prefix.  _REQUEUE_JOB for the job the slot is bound to, if any.
+_REQUEUE_BOUND_JOB = """
+local id = redis.call('GET', KEYS[1])
+if not id then return 0 end
+local job = ARGV[1] .. id
+if redis.call('HGET', job, 'state') == 'in_progress' then
+  local t = redis.call('TIME')
+  redis.call('HSET', job, 'state', 'queued', 'requeued_at', string.format('%d.%06d', t[1], t[2]),
+             'restored_from', redis.call('HGET', job, 'worker') or '')
+  redis.call('HINCRBY', job, 'redeliveries', 1)
+end
+return 1
 """
 
 # Shared head of the lease scripts. KEYS[1]: unacked_index, KEYS[2]: the lease clock. ARGV[1]: the lease,
@@ -108,6 +126,29 @@ local lease = tonumber(ARGV[1])
 if score and tonumber(score) <= now - lease and now - resumed >= lease then return 1 end
 return 0
 """
+
+
+def body_of(payload: dict) -> dict | None:
+    """The first argument of a task message (pagedq's tasks take one dict), or None."""
+    try:
+        body = payload["body"]
+        if payload["properties"].get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        message = json.loads(body)[0][0]
+        return message if isinstance(message, dict) else None
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def slot_of(payload: dict) -> str | None:
+    """The slot a fair-dispatch token names, or None for any other message."""
+    try:
+        if payload["headers"]["task"] != DISPATCH_TASK:
+            return None
+    except (KeyError, TypeError):
+        return None
+    body = body_of(payload)
+    return str(body["slot"]) if body and body.get("slot") else None
 
 
 def job_id_of(payload: dict, tasks: tuple[str, ...] = PAGEDQ_TASKS) -> str | None:
@@ -216,10 +257,14 @@ class Channel(kombu_redis.Channel):
 
     def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
         super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+        names = Names(key_prefix=self.global_keyprefix or "")
         job_id = job_id_of(payload, (GENERATE_TASK,))
         if job_id is not None:
-            key = Names(key_prefix=self.global_keyprefix or "").job(job_id)
-            pipe.eval(_REQUEUE_JOB, 1, key)
+            pipe.eval(_REQUEUE_JOB, 1, names.job(job_id))
+        slot = slot_of(payload)
+        if slot is not None:  # its job: queued (counted as a redelivery), then back in its fair queue, unbound
+            pipe.eval(_REQUEUE_BOUND_JOB, 1, names.slot(slot), names.job(""))
+            pipe.eval(_RELEASE, 2, names.slot(slot), names.fair_index, slot, names.job(""), names.fair_message(""))
 
     def renew_leases(self) -> int:
         """Mark every message this channel holds as taken now (Redis time); returns how many.  Also stamps the

@@ -11,6 +11,13 @@ these, on any hosts, may consume the same model queue.
   Completion to postprocess by task name.  A cancelled job ends here; a job
   aborted by a worker shutdown is rejected with requeue, so another worker
   (or this one, restarted) takes it.
+- ``dispatch`` (same queue; with ``PAGEDQ_FAIR_SHARE``): a token for "a job of
+  this model".  It waits (at most ``ROOM_WAIT_S``) until the engine has a free
+  seat, then claims the next job of the model's fair queue in fleet order
+  (``store/dispatch.py``) and runs it as ``generate`` does; with no room it goes
+  back to its queue for a worker that has some, with nothing to claim it ends.
+  The worker then holds ``max_num_seqs`` + ``LOOKAHEAD`` tasks at most, not
+  ``worker_max_inflight``: the job it runs next is chosen when a seat is free.
 - ``ProgressReporter``: every ``progress_interval_s``, a ``task-progress``
   event (tokens so far) per running task, which Flower shows as the task's
   PROGRESS state, and the same count in the job record; it also re-checks
@@ -28,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import redis
 import torch
@@ -35,7 +43,7 @@ from celery import Celery, signals
 from celery.exceptions import Reject
 
 from pagedq.config import Settings
-from pagedq.config.celery_app import make_celery
+from pagedq.config.celery_app import DispatchToken, make_celery, send_dispatch_token
 from pagedq.config.messages import (
     Completion,
     GenerateJob,
@@ -45,9 +53,17 @@ from pagedq.config.messages import (
     parse_message,
     to_json,
 )
-from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, JobState, Names, broker_priority
+from pagedq.config.names import (
+    DISPATCH_TASK,
+    GENERATE_TASK,
+    POSTPROCESS_TASK,
+    JobState,
+    Names,
+    broker_priority,
+)
 from pagedq.store import control
 from pagedq.store.connection import broker_url, redis_client
+from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore
 from pagedq.store.registry import register_model
 from pagedq.workers.celery_worker import run_celery_worker
@@ -72,31 +88,178 @@ def register_generate(app: Celery, service: EngineService, store: JobStore, name
     @app.task(name=GENERATE_TASK, bind=True, throws=(JobNotCompleted,))
     def generate(self, payload):
         job = parse_generate(payload, self.request.id)
-        verdict = store.admit(job.job_id, worker=self.request.hostname)
-        if verdict != "ok":
-            service.metrics.settled(verdict)
-            store.settle(job.job_id, verdict)
-            raise JobNotCompleted(f"job {job.job_id} {store.state(job.job_id)} before generating")
-        if service.metrics.enabled:  # the submit time, for latencies; attempts, for redeliveries
-            fields = store.r.hmget(names.job(job.job_id), "created_at", "attempts")
-            service.metrics.admitted(job.job_id, *fields)
-        weights = service.engine.fingerprint  # read before the engine can step the job (see conclude)
-        try:
-            handle = service.submit(job, self.request.id)
-        except RequestError as e:
-            service.metrics.ended(job.job_id, "failed")
-            store.finish(job.job_id, JobState.FAILED, error=e.to_dict())
-            raise JobNotCompleted(f"job {job.job_id} failed: {e.code}: {e}") from None
-        # Cancel or stream requests published before the job was registered here left their flag on the record.
-        state, stream = store.r.hmget(names.job(job.job_id), "state", "stream")
-        if state == JobState.CANCELLING:
-            service.cancel(job.job_id)
-        if stream == "1":
-            service.enable_stream(job.job_id)
+        handle, weights = start(job, self.request, service, store, names)
         handle.done.wait()
         return conclude(self.app, handle, store, names, weights if service.engine.fingerprint == weights else "")
 
     return generate
+
+
+def start(job: GenerateJob, request, service: EngineService, store: JobStore, names: Names) -> tuple[Handle, str]:
+    """Admit a job (in_progress, one more attempt) and hand it to the engine; returns its handle and the weights'
+    fingerprint before it could be stepped.  A job that may not run (cancelled, expired, poison, refused by the
+    engine) ends here: raises JobNotCompleted."""
+    verdict = store.admit(job.job_id, worker=request.hostname)
+    if verdict != "ok":
+        service.metrics.settled(verdict)
+        store.settle(job.job_id, verdict)
+        raise JobNotCompleted(f"job {job.job_id} {store.state(job.job_id)} before generating")
+    if service.metrics.enabled:  # the submit time, for latencies; attempts, for redeliveries
+        fields = store.r.hmget(names.job(job.job_id), "created_at", "attempts")
+        service.metrics.admitted(job.job_id, *fields)
+    weights = service.engine.fingerprint  # read before the engine can step the job (see conclude)
+    try:
+        handle = service.submit(job, request.id)
+    except RequestError as e:
+        service.metrics.ended(job.job_id, "failed")
+        store.finish(job.job_id, JobState.FAILED, error=e.to_dict())
+        raise JobNotCompleted(f"job {job.job_id} failed: {e.code}: {e}") from None
+    # Cancel or stream requests published before the job was registered here left their flag on the record.
+    state, stream = store.r.hmget(names.job(job.job_id), "state", "stream")
+    if state == JobState.CANCELLING:
+        service.cancel(job.job_id)
+    if stream == "1":
+        service.enable_stream(job.job_id)
+    return handle, weights
+
+
+LOOKAHEAD = 4  # dispatch tokens a worker holds beyond its engine's seats, each waiting for one to free
+ROOM_WAIT_S = 1.0  # how long a token waits for a free seat before it goes back to its queue
+
+
+class Seats:
+    """The engine's free seats as dispatch tokens see them: a token reserves one before it claims a job, so
+    that N free seats are claimed at most N times however many tokens wait (the engine's own count only
+    moves once the claimed job is submitted).  Invariant: jobs held by the engine + reserved <= max_num_seqs."""
+
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+        self.reserved = 0
+        self._cond = threading.Condition()
+
+    def reserve(self, timeout_s: float) -> bool:
+        """Take a free seat, waiting up to ``timeout_s`` for one; False if none freed (or the worker drains)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.service.free_seats() - self.reserved <= 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))  # woken when a job ends; the poll covers the engine's own ends
+            self.reserved += 1
+            return True
+
+    def unreserve(self) -> None:
+        """The seat was used (its job is in the engine now) or not needed (nothing to claim)."""
+        with self._cond:
+            self.reserved -= 1
+            self._cond.notify()
+
+    def freed(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+
+@dataclass
+class Dispatch:
+    """What the dispatch task needs besides the engine: the fair queues and this worker's seats."""
+
+    fair: FairDispatch
+    seats: Seats
+    room_wait_s: float = ROOM_WAIT_S
+
+
+def report_bound(task, job_id: str) -> None:
+    """Tell Flower which job the token bound (a ``task-progress`` event: the task's Result field)."""
+    try:
+        task.send_event("task-progress", job_id=job_id, result=f"bound job {job_id}")
+    except Exception as e:  # noqa: BLE001 - an event is best effort
+        log.warning("could not report the job token %s bound: %s", task.request.id, e)
+
+
+def parse_token(payload, task_id: str) -> DispatchToken:
+    try:
+        return DispatchToken(str(payload["model"]), str(payload["slot"]), int(payload["priority"]))
+    except (TypeError, KeyError, ValueError) as e:
+        log.error("dispatch task %s: dropped a malformed token: %r", task_id, e)
+        raise Reject(f"malformed token: {e!r}", requeue=False) from None
+
+
+def register_dispatch(app: Celery, service: EngineService, store: JobStore, names: Names, d: Dispatch):
+    """The dispatch task: a token binds to the next job of the fair queue when this engine has room."""
+    running: dict[str, str] = {}  # job id -> the slot it runs under on this worker
+
+    @app.task(name=DISPATCH_TASK, bind=True, throws=(JobNotCompleted,))
+    def dispatch(self, payload):
+        token = parse_token(payload, self.request.id)
+        bound = d.fair.bound_job(token.slot)
+        if bound is not None and running.get(bound) == token.slot:  # redelivered while its job runs here
+            return wait_for_original(token.slot, bound)
+        if bound is not None:  # bound by a holder that is gone (its restore did not release it): back in line
+            d.fair.release(token.slot)
+        if not d.seats.reserve(d.room_wait_s):
+            # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent before this
+            # one is acknowledged: a kill in between leaves two tokens for one job, and the spare finds nothing.
+            # Not Reject(requeue=True): Celery logs each with a traceback, and a full worker hands on several a second.
+            send_dispatch_token(self.app, token.model, token.priority, token.slot)
+            return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
+        try:
+            job = d.fair.claim(service.engine.model_name, self.request.hostname, token.slot)
+        except BaseException:
+            d.seats.unreserve()
+            raise
+        if job is None:
+            d.seats.unreserve()
+            return {"slot": token.slot, "job_id": None, "skipped": "no job waiting"}
+        report_bound(self, job.job_id)
+        running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
+        try:
+            return run_bound(self, job, token.slot)
+        finally:
+            if running.get(job.job_id) == token.slot:
+                del running[job.job_id]
+            d.seats.freed()
+
+    def wait_for_original(slot: str, job_id: str) -> dict:
+        """No second run: this copy of the token ends as the running one does (handed back with it on a drain)."""
+        original = service.handles.get(job_id)
+        if original is not None:
+            original.done.wait()
+            if original.requeue:
+                raise Reject("worker shutting down", requeue=True)
+        return {"slot": slot, "job_id": job_id, "skipped": "already running on this worker"}
+
+    def run_bound(task, job: GenerateJob, slot: str) -> dict:
+        try:
+            handle, weights = start(job, task.request, service, store, names)
+        except JobNotCompleted:
+            end_bound(job, slot, 0)
+            raise
+        finally:
+            d.seats.unreserve()
+        handle.done.wait()
+        if handle.duplicate:  # already running here under another token (a restore released it): ends with it
+            if handle.original is None or not handle.original.requeue:
+                d.fair.unbind(slot)  # else the Reject below hands the token back and its restore releases the job
+            return conclude(task.app, handle, store, names)
+        if handle.requeue:  # drain or replica loss: the job back in its fair queue, the token back on its queue
+            store.requeue(job.job_id, count_attempt=handle.lost)
+            d.fair.release(slot)
+            raise Reject("worker shutting down", requeue=True)
+        generated = len(handle.output.output_token_ids) if handle.output is not None else 0
+        try:
+            summary = conclude(task.app, handle, store, names, weights if service.engine.fingerprint == weights else "")
+        finally:
+            end_bound(job, slot, generated)
+        return {**summary, "slot": slot}
+
+    def end_bound(job: GenerateJob, slot: str, generated: int) -> None:
+        """The job ended (or was sent to postprocess): forget its binding, give back the output it did not use."""
+        d.fair.unbind(slot)
+        tenant = getattr(getattr(job, "meta", None), "tenant", None) or "default"
+        d.fair.refund(job.model, tenant, max(int(job.params.max_tokens or 0) - generated, 0))
+
+    return dispatch
 
 
 def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerprint: str = "") -> dict:
@@ -262,6 +425,14 @@ def thread_budget(settings: Settings) -> ThreadBudget | None:
     return None
 
 
+def inflight(settings: Settings) -> int:
+    """Tasks one GPU worker holds at once: ``worker_max_inflight``; with fair dispatch no more than its seats plus
+    a look-ahead, so the rest of the backlog stays in the fair queue, where the next job is chosen."""
+    if settings.fair_share:
+        return min(settings.worker_max_inflight, settings.max_num_seqs + LOOKAHEAD)
+    return settings.worker_max_inflight
+
+
 EXIT_REPLICA_LOST = 3  # a process of the engine's replica died: restart the worker (its jobs were requeued)
 
 
@@ -278,7 +449,9 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
-    register_generate(app, service, JobStore(r, names, settings.result_ttl_s, settings.max_attempts), names)
+    store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts)
+    register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
+    register_dispatch(app, service, store, names, Dispatch(FairDispatch(r, names), Seats(service)))
     ControlListener(r, names, control.configured_secret(settings), service, hostname).start()
     ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s).start()
     signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
@@ -287,7 +460,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     code: int | str | None = 0
     try:
         run_celery_worker(app, r, names.worker(hostname), {"role": "gpu", "model": engine.model_name},
-                          queues=[queue], concurrency=settings.worker_max_inflight, hostname=hostname,
+                          queues=[queue], concurrency=inflight(settings), hostname=hostname,
                           loglevel=loglevel, ttl_s=settings.worker_ttl_s)
     except SystemExit as e:
         code = e.code

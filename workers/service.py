@@ -165,6 +165,14 @@ class EngineService:
         with self._lock:
             return list(self.handles.values())
 
+    def free_seats(self) -> int:
+        """Jobs the engine could take now without any waiting: ``max_num_seqs`` less the jobs it holds
+        (running or waiting); 0 while the worker drains.  Cheap (no lock, no engine call): fair dispatch
+        polls it before it claims the next job (``gpu_worker.Seats``)."""
+        if self._stopping.is_set() or self.engine is None:
+            return 0
+        return self.engine.engine.config.max_num_seqs - len(self.handles)
+
     def drain(self, timeout_s: float) -> None:
         """Take no new jobs; let running ones finish for up to ``timeout_s``, then ``shutdown``."""
         with self._lock:

@@ -1,0 +1,226 @@
+"""Late binding through the real queue (``PAGEDQ_FAIR_SHARE=true``): a GPU worker claims the next job of the fleet
+order when a seat is free, and no job is lost or run twice when that worker is killed or drained.
+
+One module-scoped stack (real redis-server, real Celery worker processes, the packaged model) with 2 engine seats;
+prefixes ``pfd:`` / ``pfd.``.  Ordering tests hold one seat with a long *blocker* job and free the other only
+once every job they submit waits in the fair queue, so claims go one at a time: the order of ``started_at`` is
+the order of the claims.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+import uuid
+
+import pytest
+from queue_helpers import DoneCounter, wait_until
+
+from pagedq.config import Settings
+from pagedq.config.celery_app import send_dispatch_token
+from pagedq.config.messages import GenerateJob
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import SchedulingMeta
+from pagedq.pipeline import Client
+from pagedq.store.dispatch import FairDispatch
+from pagedq.store.lost_jobs import LostJobSweep
+from pagedq.store.transport import slot_of
+
+TIMEOUT = 180
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def settings(redis_url) -> Settings:
+    return Settings(broker_url=redis_url, key_prefix="pfd:", queue_prefix="pfd.", result_cache=False,
+                    kv_cache_memory="256MiB", progress_interval_s=0.5, fair_share=True, max_num_seqs=2,
+                    worker_ttl_s=6, drain_timeout_s=1, send_grace_s=5)
+
+
+def tenant_client(settings: Settings, stack, name: str) -> Client:
+    return Client(settings, stack.url, tenant=f"{name}-{uuid.uuid4().hex[:6]}")
+
+
+def gpu_workers(stack) -> list:
+    return [c for c in stack.children if c.role == "gpu"]
+
+
+def hold_both_seats(client: Client) -> list[str]:
+    """Two long jobs that take the engine's two seats (running, not merely claimed)."""
+    blockers = [client.submit(prompt=f"A very long story {i}:", max_tokens=1500, priority=9, **GREEDY)
+                for i in range(2)]
+    wait_until(lambda: all(int(client.status(b).completion_tokens or 0) > 0 for b in blockers), TIMEOUT,
+               what="the blockers to run")
+    return blockers
+
+
+def wait_all_waiting(client: Client, fair: FairDispatch, jobs: list[str]) -> None:
+    wait_until(lambda: all(fair.is_waiting(j) for j in jobs), TIMEOUT, interval=0.2,
+               what="every job waiting in the fair queue")
+
+
+def started(client: Client, jobs: list[str]) -> dict[str, float]:
+    return {j: client.status(j).started_at for j in jobs}
+
+
+def test_strict_priority_across_tenants_when_a_seat_frees(settings, stack, client):
+    """3 tenants x 3 priorities wait while the seats are taken; freed one at a time, every job of a higher band
+    starts before any job of a lower band, whichever tenant submitted it and in whatever order."""
+    fair = FairDispatch(client.r, client.names)
+    blockers = hold_both_seats(client)
+    tenants = [tenant_client(settings, stack, name) for name in ("ta", "tb", "tc")]
+    plan = [(c, p) for c in tenants for p in (1, 5, 9)]
+    random.shuffle(plan)  # arrival order must not matter
+    jobs = {c.submit(prompt=f"Tell me about {random.randrange(10**6)}.", max_tokens=3, priority=p, **GREEDY): p
+            for c, p in plan}
+    wait_all_waiting(client, fair, list(jobs))
+    client.cancel(blockers[0])  # one free seat: the claims go one by one, each when the last job ended
+    for job in jobs:
+        client.result(job, timeout=TIMEOUT)
+    client.cancel(blockers[1])
+    order = sorted(jobs, key=lambda j: started(client, [j])[j])
+    bands = [jobs[j] for j in order]
+    print("priority of each job in the order they started:", bands)
+    assert bands == sorted(bands, reverse=True), "a lower band started while a higher one waited"
+    for c in tenants:
+        c.close()
+
+
+def test_a_flooding_tenant_does_not_starve_another(settings, stack, client):
+    """Tenant A floods 40 jobs, then tenant B submits 3, same priority: B's jobs start among the first claims
+    after the seat frees, not after A's 40 (arrival order would run all of A's first)."""
+    fair = FairDispatch(client.r, client.names)
+    blockers = hold_both_seats(client)
+    flood, other = tenant_client(settings, stack, "flood"), tenant_client(settings, stack, "other")
+    prompt = f"Say something about the number {random.randrange(10**6)}."  # one cost for every job
+    a = [flood.submit(prompt=prompt, max_tokens=2, **GREEDY) for _ in range(40)]
+    wait_all_waiting(client, fair, a)
+    b = [other.submit(prompt=prompt, max_tokens=2, **GREEDY) for _ in range(3)]
+    wait_all_waiting(client, fair, b)
+    client.cancel(blockers[0])
+    for job in b:
+        client.result(job, timeout=TIMEOUT)
+    last_b = max(started(client, b).values())
+    a_before = sum(1 for t in started(client, a).values() if t is not None and t < last_b)
+    print(f"flood jobs started before the other tenant's last: {a_before} of 40")
+    assert a_before <= 4, f"{a_before} flood jobs ran before the other tenant's 3 (fair share alternates)"
+    for job in a:
+        client.result(job, timeout=TIMEOUT)
+    client.cancel(blockers[1])
+    flood.close()
+    other.close()
+
+
+def submit_and_wait_running(client: Client, n: int, max_tokens: int) -> tuple[list[str], list[str]]:
+    jobs = [client.submit(prompt=f"Story number {random.randrange(10**6)}:", max_tokens=max_tokens, **GREEDY)
+            for _ in range(n)]
+    wait_until(lambda: sum(int(client.status(j).completion_tokens or 0) > 0 for j in jobs) >= 2, TIMEOUT,
+               what="two bound jobs running")
+    running = [j for j in jobs if int(client.status(j).completion_tokens or 0) > 0 and not client.status(j).done]
+    return jobs, running
+
+
+def assert_clean(client: Client) -> None:
+    """Every job ended and nothing of the dispatch stayed behind: no index entry, no bound slot."""
+    assert client.r.zcard(client.names.active_jobs) == 0
+    assert client.r.hlen(client.names.fair_index) == 0
+    assert not list(client.r.scan_iter(match=client.names.slot("*"), count=1000))
+
+
+def test_kill_9_of_the_gpu_worker_every_bound_job_completes_once(settings, stack, client):
+    counter = DoneCounter(client.r, client.names)
+    jobs, running = submit_and_wait_running(client, 6, 48)
+    victim = gpu_workers(stack)[0]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    stack.children.remove(victim)
+    fresh = stack.add_worker("gpu")
+    results = [client.result(j, timeout=600) for j in jobs]
+    wait_until(lambda: all(counter.counts[j] >= 1 for j in jobs), 30, what="every publication")
+    counter.stop()
+    assert all(r["usage"]["completion_tokens"] == 48 for r in results)
+    assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
+    assert all(client.status(j).worker == fresh.hostname for j in running)
+    assert all(client.status(j).attempts == 2 for j in running), "a lost worker counts an attempt"
+    assert_clean(client)
+
+
+def test_drain_hands_bound_jobs_back_and_they_complete_on_another_worker(settings, stack, client):
+    counter = DoneCounter(client.r, client.names)
+    fair = FairDispatch(client.r, client.names)
+    jobs, running = submit_and_wait_running(client, 4, 200)  # far longer than the 1 s drain
+    stack.stop_worker(gpu_workers(stack)[0])  # SIGTERM, and wait for it to exit
+    assert all(client.status(j).state == "queued" and fair.is_waiting(j) for j in running), \
+        "the drain hands running jobs back to the fair queue"
+    fresh = stack.add_worker("gpu")
+    results = [client.result(j, timeout=600) for j in jobs]
+    wait_until(lambda: all(counter.counts[j] >= 1 for j in jobs), 30, what="every publication")
+    counter.stop()
+    assert all(r["usage"]["completion_tokens"] == 200 for r in results)
+    assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
+    assert all(client.status(j).worker == fresh.hostname for j in running)
+    assert all(client.status(j).attempts == 1 for j in running), "a drain does not count an attempt"
+    assert_clean(client)
+
+
+# --- the lost-job sweep with fair dispatch: no workers, no model; what a preprocess does is done by hand ------
+SWEEP_S = 0.3
+
+
+def tokens_on_queue(client: Client, model: str) -> list[str]:
+    lists = client.names.broker_lists(client.names.generate_queue(model))
+    return [slot_of(json.loads(raw)) for key in lists for raw in client.r.lrange(key, 0, -1)]
+
+
+def preprocessed(client: Client, fair: FairDispatch, job_id: str) -> None:
+    """What the preprocess does before it sends a token: the job, tokenized, waits in its fair queue."""
+    meta = SchedulingMeta(tenant=client.tenant, priority=5, arrival=time.time())
+    params = SamplingParams(max_tokens=random.randrange(2, 9))
+    fair.push(GenerateJob(job_id, client.settings.model, "text", [random.randrange(1, 100) for _ in range(5)],
+                          params, 5, meta=meta))
+
+
+def test_sweep_holds_fair_jobs_tops_up_tokens_and_releases_a_job_whose_token_is_gone(redis_url):
+    tag = uuid.uuid4().hex[:8]
+    s = Settings(broker_url=redis_url, key_prefix=f"fs{tag}:", queue_prefix=f"fs{tag}.", result_cache=False,
+                 send_grace_s=1.0, fair_share=True)
+    with Client(s, redis_url, tenant="sweep") as client:
+        model, fair = s.model, FairDispatch(client.r, client.names)
+        jobs = [client.submit(prompt=f"fair sweep {uuid.uuid4().hex}", max_tokens=4) for _ in range(4)]
+        for key in client.names.broker_lists(client.names.preprocess_queue):  # preprocessed: messages consumed
+            client.r.delete(key)
+        for job in jobs:
+            preprocessed(client, fair, job)
+        send_dispatch_token(client.app, model, 5)  # one token sent; the other three producers died before theirs
+        resent: list[str] = []
+        sweep = LostJobSweep(client.store, lambda msg, p: resent.append(msg.job_id), interval_s=SWEEP_S,
+                             owner="cpu-t", send_token=lambda m, p: send_dispatch_token(client.app, m, p))
+        for _ in range(3):
+            time.sleep(SWEEP_S + 0.05)
+            assert sweep.sweep() == [], "a job waiting in a fair queue is held"
+        assert len(tokens_on_queue(client, model)) == 4, "topped up to one token per waiting job"
+        assert resent == []
+
+        # A job bound to a slot whose token is on no queue and in no worker's hands: back in line, not resent.
+        slot = uuid.uuid4().hex
+        bound = fair.claim(model, "gpu-gone", slot)
+        assert bound is not None and fair.bound_job(slot) == bound.job_id
+        found = []
+        for _ in range(2):  # missing in two sweeps in a row
+            time.sleep(SWEEP_S + 0.05)
+            found = sweep.sweep()
+        assert found == [bound.job_id] and fair.is_waiting(bound.job_id) and fair.bound_job(slot) is None
+        assert client.r.hget(client.names.job(bound.job_id), "resent") == "1" and resent == []
+
+        # Bound again, to a token that is on its queue: held.
+        slot = uuid.uuid4().hex
+        again = fair.claim(model, "gpu-live", slot)
+        send_dispatch_token(client.app, model, 5, slot)
+        for _ in range(3):
+            time.sleep(SWEEP_S + 0.05)
+            assert sweep.sweep() == []
+        assert fair.bound_job(slot) == again.job_id
+        for job in jobs:
+            client.cancel(job)
