@@ -98,6 +98,17 @@ class DeploymentCollector:
             oldest.add_metric([model], max(0.0, now - created) if created is not None else 0.0)
         yield oldest
 
+        tenant_jobs = GaugeMetricFamily("pagedq_tenant_jobs", "A tenant's jobs waiting (queued) or running "
+                                        "(in_progress, cancelling), all models", labels=["tenant", "state"])
+        tenant_oldest = GaugeMetricFamily("pagedq_tenant_oldest_waiting_seconds", "Age of the tenant's oldest "
+                                          "queued job (0: none)", labels=["tenant"])
+        for tenant, row in snap.tenants.items():
+            tenant_jobs.add_metric([tenant, "waiting"], row["waiting"])
+            tenant_jobs.add_metric([tenant, "running"], row["running"])
+            tenant_oldest.add_metric([tenant], row["oldest_waiting_s"] or 0.0)
+        yield tenant_jobs
+        yield tenant_oldest
+
         workers = GaugeMetricFamily("pagedq_workers", "Live workers (records not expired) by role and model",
                                     labels=["role", "model"])
         live: dict[tuple[str, str], int] = {}

@@ -12,6 +12,8 @@ Where each part comes from:
   priority 0 is served first, so list ``n`` holds pagedq priority ``9 - n``.  Listed: preprocess,
   results, and the generate queue of every registered model (or model with job records);
 - models: the backlog counter (``names.backlog``: jobs accepted and not ended);
+- tenants: from the same scan, each tenant's jobs waiting (queued) and running (in_progress or
+  cancelling), with its weight (``names.tenant_weights``, missing = 1);
 - jobs: one SCAN over the job records (``names.job``), state / model / priority / created_at /
   result-cache fields of each.  Records of ended jobs live ``result_ttl_s`` (24 h by default), so
   the counts of ended states cover that window; the cost grows with the number of records (up to
@@ -28,12 +30,14 @@ import redis
 
 from pagedq.config import Settings
 from pagedq.config.names import PRIORITY_STEPS, JobState, Names, broker_priority
+from pagedq.config.scheduling import DEFAULT_TENANT
 from pagedq.store.connection import BrokerUnavailable, broker_url, mask_url, redis_client
 from pagedq.store.registry import live_workers
 
 STATES = [s.value for s in JobState]
 PRIORITIES = list(range(9, -1, -1))  # most urgent first
-JOB_FIELDS = ("state", "model", "priority", "created_at", "cached", "cache_key")
+JOB_FIELDS = ("state", "model", "priority", "created_at", "cached", "cache_key", "tenant")
+RUNNING_STATES = (JobState.IN_PROGRESS.value, JobState.CANCELLING.value)
 SCAN_BATCH = 1000
 STATUS_JOB_LIMIT = 100_000
 
@@ -47,6 +51,7 @@ class JobScan:
     cache: dict[str, dict[str, int]] = field(default_factory=dict)  # model -> {"hit": n, "miss": n}
     oldest_queued: dict | None = None  # {"job_id", "model", "priority", "created_at"}
     oldest_queued_by_model: dict[str, float] = field(default_factory=dict)  # model -> created_at
+    tenants: dict[str, dict] = field(default_factory=dict)  # tenant -> {"waiting", "running", "oldest_waiting"}
     scanned: int = 0
     truncated: bool = False
     seconds: float = 0.0
@@ -66,9 +71,11 @@ def scan_jobs(r: redis.Redis, names: Names, limit: int | None = None) -> JobScan
         for key, values in zip(batch, pipe.execute(raise_on_error=False), strict=True):
             if not isinstance(values, list) or values[0] is None:
                 continue  # gone meanwhile, or not a job hash
-            state, model, priority, created_at, cached, cache_key = values
+            state, model, priority, created_at, cached, cache_key, tenant = values
             model = model or ""
             counts.setdefault(model, Counter())[state] += 1
+            if state == JobState.QUEUED or state in RUNNING_STATES:
+                _count_tenant(scan, tenant or DEFAULT_TENANT, state, created_at)
             scan.scanned += 1
             if cache_key or cached == "1":
                 c = scan.cache.setdefault(model, {"hit": 0, "miss": 0})
@@ -94,6 +101,16 @@ def scan_jobs(r: redis.Redis, names: Names, limit: int | None = None) -> JobScan
     scan.counts = {model: {s: c.get(s, 0) for s in STATES} for model, c in counts.items()}
     scan.seconds = time.monotonic() - start
     return scan
+
+
+def _count_tenant(scan: JobScan, tenant: str, state: str, created_at: str | None) -> None:
+    row = scan.tenants.setdefault(tenant, {"waiting": 0, "running": 0, "oldest_waiting": None})
+    if state in RUNNING_STATES:
+        row["running"] += 1
+        return
+    row["waiting"] += 1
+    if created_at and (row["oldest_waiting"] is None or float(created_at) < row["oldest_waiting"]):
+        row["oldest_waiting"] = float(created_at)
 
 
 def registered_models(r: redis.Redis, names: Names) -> dict[str, str]:
@@ -130,6 +147,8 @@ class Snapshot:
     oldest_queued: dict | None  # {"job_id", "model", "priority", "created_at", "age_s"}
     jobs_scanned: int
     jobs_truncated: bool
+    # tenant -> {"waiting", "running", "weight", "oldest_waiting_s"}: the backlog per tenant
+    tenants: dict[str, dict] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -181,7 +200,8 @@ def snapshot(r: redis.Redis, names: Names, broker: str = "", job_limit: int | No
     pipe = r.pipeline(transaction=False)
     for m in models:
         pipe.get(names.backlog(m))
-    backlogs = pipe.execute()
+    pipe.hgetall(names.tenant_weights)
+    *backlogs, weights = pipe.execute()
     model_of_queue = {q: m for m, q in queue_of.items()}
     queue_rows = [{"queue": q, "model": model_of_queue.get(q, ""), "total": sum(depths[q].values()),
                    "by_priority": {str(p): depths[q][p] for p in PRIORITIES}} for q in queues]
@@ -197,7 +217,16 @@ def snapshot(r: redis.Redis, names: Names, broker: str = "", job_limit: int | No
         models={m: {"queue": queue_of[m], "backlog": _int(b, 0), "registered": m in registered}
                 for m, b in zip(models, backlogs, strict=True)},
         jobs=jobs.counts, jobs_total={s: totals.get(s, 0) for s in STATES}, result_cache=jobs.cache,
-        oldest_queued=oldest, jobs_scanned=jobs.scanned, jobs_truncated=jobs.truncated)
+        oldest_queued=oldest, jobs_scanned=jobs.scanned, jobs_truncated=jobs.truncated,
+        tenants=tenant_rows(jobs, weights, now))
+
+
+def tenant_rows(jobs: JobScan, weights: dict[str, str], now: float) -> dict[str, dict]:
+    """Per tenant with jobs waiting or running: those counts, its weight, how long its oldest has waited."""
+    return {t: {"waiting": row["waiting"], "running": row["running"], "weight": float(weights.get(t) or 1.0),
+                "oldest_waiting_s": None if row["oldest_waiting"] is None
+                else round(max(0.0, now - row["oldest_waiting"]), 1)}
+            for t, row in sorted(jobs.tenants.items())}
 
 
 def connect(settings: Settings) -> tuple[redis.Redis, str]:
@@ -259,6 +288,11 @@ def render(snap: Snapshot) -> str:
     out += _table(["MODEL", *(s.upper() for s in states), "BACKLOG", "CACHE HIT/MISS"], job_rows)
     if snap.jobs_truncated:
         out.append(f"  (counted the first {snap.jobs_scanned} job records only)")
+    out += ["", "TENANTS (jobs waiting and running; within a priority, service is shared by weight)"]
+    tenant_rows_ = [[t, row["waiting"], row["running"], f"{row['weight']:g}", _age(row["oldest_waiting_s"])]
+                    for t, row in snap.tenants.items()]
+    out += _table(["TENANT", "WAITING", "RUNNING", "WEIGHT", "OLDEST WAITING"], tenant_rows_) \
+        if tenant_rows_ else ["  (none)"]
     out.append("")
     o = snap.oldest_queued
     out.append("OLDEST QUEUED JOB  " + (f"{o['job_id']}  model {o['model'] or '-'}  priority {o['priority']}"

@@ -40,6 +40,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from pagedq.config.scheduling import DEFAULT_TENANT
+
 log = logging.getLogger(__name__)
 
 MAX_PORT_TRIES = 100
@@ -114,6 +116,7 @@ class _Request:
     added_at: float
     scheduled_at: float | None = None
     first_token_at: float | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 class EngineMetrics:
@@ -138,8 +141,8 @@ class EngineMetrics:
     def admitted(self, job_id: str, created_at: str | None, attempts: str | None) -> None:
         """Task thread, the job admitted (before it reaches the engine): its record's created_at, attempts."""
 
-    def added(self, job_id: str) -> None:
-        """Task thread: the job was handed to the engine."""
+    def added(self, job_id: str, tenant: str = DEFAULT_TENANT) -> None:
+        """Task thread: the job (``tenant``'s) was handed to the engine."""
 
     def step(self, engine, outputs) -> None:
         """Stepping thread, after every step, with the step's RequestOutputs (finish reasons final)."""
@@ -208,6 +211,18 @@ class PrometheusEngineMetrics(EngineMetrics):
                                     TOKEN_BUCKETS)
         self.generation_len = histogram("pagedq_request_generation_tokens", "Per completed request: "
                                         "generated tokens", TOKEN_BUCKETS)
+        # Per tenant (tenants come from the keys file and settings: a bounded set of label values).
+        tenant_tokens = counter("pagedq_tenant_tokens", "Tokens served to a tenant: prompt (computed or "
+                                "prefix-cached, once its first token came) and generation", ["tenant", "kind"])
+        self.tenant_tokens = lambda tenant, kind: tenant_tokens.labels(**lv, tenant=tenant, kind=kind)
+        tenant_queue_time = Histogram("pagedq_tenant_queue_time_seconds", "Job submit to first scheduled in "
+                                      "the engine, per tenant", [*labels, "tenant"], buckets=QUEUE_TIME_BUCKETS,
+                                      registry=r)
+        self.tenant_queue_time = lambda tenant: tenant_queue_time.labels(**lv, tenant=tenant)
+        tenant_waiting = Gauge("pagedq_tenant_requests_waiting", "Requests in the engine waiting to be "
+                               "scheduled, per tenant", [*labels, "tenant"], registry=r)
+        self.tenant_waiting = lambda tenant: tenant_waiting.labels(**lv, tenant=tenant)
+        self._waiting_tenants: set[str] = set()  # tenants whose waiting gauge was set (reset to 0 when none)
         self._submitted: dict[str, tuple[float | None, float]] = {}  # job id -> (created_at, admitted at)
         self._requests: dict[str, _Request] = {}
         self._arrivals: deque[str] = deque()  # added by task threads, taken by the stepping thread
@@ -230,11 +245,11 @@ class PrometheusEngineMetrics(EngineMetrics):
                 self._submitted = {k: v for k, v in self._submitted.items() if now - v[1] < 600}
             self._submitted[job_id] = (submitted, now)
 
-    def added(self, job_id: str) -> None:
+    def added(self, job_id: str, tenant: str = DEFAULT_TENANT) -> None:
         now = time.time()
         with self._lock:
             created_at, _ = self._submitted.pop(job_id, (None, now))
-        self._requests[job_id] = _Request(created_at if created_at is not None else now, now)
+        self._requests[job_id] = _Request(created_at if created_at is not None else now, now, tenant=tenant)
         self._arrivals.append(job_id)
 
     def settled(self, verdict: str) -> None:
@@ -265,6 +280,7 @@ class PrometheusEngineMetrics(EngineMetrics):
         self.kv_usage.set(bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0)
         self.kv_free.set(bm.num_free_blocks)
         self.kv_total.set(bm.num_blocks)
+        self._count_waiting_tenants(engine)
 
         while self._arrivals:
             self._unscheduled.add(self._arrivals.popleft())
@@ -286,6 +302,9 @@ class PrometheusEngineMetrics(EngineMetrics):
                 rec.first_token_at = now
                 self.ttft.observe(max(0.0, now - rec.submitted_at))  # 0 if the producer's clock is ahead
                 self.prompt_tokens.inc(out.num_prompt_tokens)
+                self.tenant_tokens(rec.tenant, "prompt").inc(out.num_prompt_tokens)
+            if out.new_token_ids:
+                self.tenant_tokens(rec.tenant, "generation").inc(len(out.new_token_ids))
             if out.finished:
                 reason = out.finish_reason or "stop"
                 (self.success.get(reason) or self.success["stop"]).inc()
@@ -302,7 +321,18 @@ class PrometheusEngineMetrics(EngineMetrics):
         # The step that scheduled it began when the one before it ended, or when the request arrived.
         rec.scheduled_at = max(self._last_step_end, rec.added_at)
         self.queue_time.observe(max(0.0, rec.scheduled_at - rec.submitted_at))
+        self.tenant_queue_time(rec.tenant).observe(max(0.0, rec.scheduled_at - rec.submitted_at))
         self._unscheduled.discard(job_id)
+
+    def _count_waiting_tenants(self, engine) -> None:
+        waiting: dict[str, int] = {}
+        for seq in engine.requests.values():
+            if seq.status.value == "waiting":
+                tenant = getattr(seq, "tenant", DEFAULT_TENANT)
+                waiting[tenant] = waiting.get(tenant, 0) + 1
+        for tenant in self._waiting_tenants | set(waiting):
+            self.tenant_waiting(tenant).set(waiting.get(tenant, 0))
+        self._waiting_tenants |= set(waiting)
 
     def released(self, handle) -> None:
         self._requests.pop(handle.job.job_id, None)

@@ -127,7 +127,7 @@ class EngineService:
                 handle.done.set()
                 return handle
             self.handles[job.job_id] = handle  # before the engine can produce output for it
-            self.metrics.added(job.job_id)
+            self.metrics.added(job.job_id, job.meta.tenant)
             self.jobs_received += 1
             try:
                 self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority, job.meta)

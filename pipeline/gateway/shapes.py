@@ -47,6 +47,7 @@ class JobObject(BaseModel):
     object: Literal["job"] = "job"
     state: str
     priority: int
+    tenant: str = "default"  # whose job it is: the API key's tenant
     kind: str | None = None
     model: str | None = None
     created_at: float | None = None

@@ -1,18 +1,27 @@
 """Tenants from the first write, against a real redis-server and no model: the record, the messages, the
-weights, and each tenant's share of a model's backlog bound."""
+weights, each tenant's share of a model's backlog bound, and what status, the exporter and the engine's
+metrics show per tenant."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+import time
 import uuid
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedq.config import Settings
 from pagedq.config.messages import PreprocessJob, RequestError, parse_message
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline.client import Client
+from pagedq.pipeline.exporter import deployment_registry
+from pagedq.pipeline.status import render, snapshot
+from pagedq.workers.metrics import PrometheusEngineMetrics
 
 
 @pytest.fixture
@@ -97,3 +106,54 @@ def test_batch_lines_without_a_priority_run_at_the_batch_priority(redis_url):
         assert [client.status(j).priority for j in jobs] == [low, 9]
         assert client.status(jobs[0]).tenant == "default"
         assert client.status(client.submit(prompt="x", max_tokens=1)).priority == settings.default_priority
+
+
+def test_status_and_exporter_show_the_backlog_per_tenant(settings, redis_url, redis):
+    settings = settings.model_copy(update={"tenant_backlog_share": 1.0, "max_queued_jobs": 100})
+    counts = {"team-a": random.randint(2, 6), "team-b": random.randint(1, 4)}
+    with Client(settings, redis_url) as client:
+        jobs = {t: [_submit(client, t) for _ in range(n)] for t, n in counts.items()}
+        client.store.admit(jobs["team-a"][0], worker="gpu0")  # one running
+        snap = snapshot(redis, client.names)
+        assert snap.tenants["team-a"]["waiting"] == counts["team-a"] - 1
+        assert snap.tenants["team-a"]["running"] == 1
+        assert snap.tenants["team-a"]["weight"] == settings.tenant_weights["team-a"]
+        assert (snap.tenants["team-b"]["waiting"], snap.tenants["team-b"]["running"]) == (counts["team-b"], 0)
+        assert snap.tenants["team-b"]["weight"] == 1.0 and snap.tenants["team-b"]["oldest_waiting_s"] >= 0
+        assert "TENANTS" in render(snap) and "team-b" in render(snap)
+        text = generate_latest(deployment_registry(redis, client.names)).decode()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+        assert samples[("pagedq_tenant_jobs", (("state", "waiting"), ("tenant", "team-b")))] == counts["team-b"]
+        assert samples[("pagedq_tenant_jobs", (("state", "running"), ("tenant", "team-a")))] == 1
+
+
+def test_engine_metrics_count_tokens_and_queue_time_per_tenant():
+    from test_metrics_parts import handle, scripted_engine, value
+
+    registry = CollectorRegistry()
+    metrics = PrometheusEngineMetrics("scripted", "w", registry)
+    engine = scripted_engine()
+    requests = [(f"r{i}", random.choice(["team-a", "team-b"]), [random.randrange(1, 999) for _ in range(
+        random.randint(3, 30))], random.randint(1, 6)) for i in range(8)]
+    for rid, tenant, prompt, max_tokens in requests:
+        metrics.admitted(rid, str(time.time() - 1), "1")
+        metrics.added(rid, tenant)
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                           meta=SchedulingMeta(tenant))
+    done = 0
+    while done < len(requests):
+        outputs = engine.step()
+        metrics.step(engine, outputs)
+        for out in outputs:
+            if out.finished:
+                done += 1
+                metrics.released(handle(out))
+    for tenant in ("team-a", "team-b"):
+        mine = [r for r in requests if r[1] == tenant]
+        assert value(registry, "pagedq_tenant_tokens_total", tenant=tenant, kind="generation") == \
+            sum(r[3] for r in mine)
+        assert value(registry, "pagedq_tenant_tokens_total", tenant=tenant, kind="prompt") == \
+            sum(len(r[2]) for r in mine)
+        assert value(registry, "pagedq_tenant_queue_time_seconds_count", tenant=tenant) == len(mine)
+        assert value(registry, "pagedq_tenant_requests_waiting", tenant=tenant) == 0
