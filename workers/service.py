@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 IDLE_PUBLISH_S = 2.0
 MAX_FAILED_STEPS = 3  # engine steps failing in a row (not a request's own failure) before the worker gives up
+WEIGHTS_REFRESH_S = 10.0  # how often the engine's fair order re-reads the tenants' weights
 
 
 def model_info(engine: LLM, names: Names) -> ModelInfo:
@@ -93,6 +94,7 @@ class EngineService:
         self.replica_lost = False
         self._failed_steps = 0
         self.metrics = EngineMetrics()  # gpu_worker sets PrometheusEngineMetrics when metrics are on
+        self._weights_read_at = -WEIGHTS_REFRESH_S
 
     # --- called from task / control threads --------------------------------
     def start(self) -> LLM:
@@ -128,6 +130,7 @@ class EngineService:
                 return handle
             self.handles[job.job_id] = handle  # before the engine can produce output for it
             self.metrics.added(job.job_id, job.meta.tenant)
+            self._read_weights()
             self.jobs_received += 1
             try:
                 self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority, job.meta)
@@ -136,6 +139,25 @@ class EngineService:
                 raise
         self._wake.set()
         return handle
+
+    def _read_weights(self) -> None:
+        """The tenants' weights (``names.tenant_weights``, written by producers) for the engine's fair order;
+        read at most every ``WEIGHTS_REFRESH_S``, kept as they were when Redis does not answer."""
+        if time.monotonic() - self._weights_read_at < WEIGHTS_REFRESH_S:
+            return
+        self._weights_read_at = time.monotonic()
+        try:
+            raw = self.r.hgetall(self.names.tenant_weights)
+        except redis.RedisError:
+            return
+        weights = {}
+        for tenant, value in raw.items():
+            try:
+                if float(value) > 0:
+                    weights[tenant] = float(value)
+            except ValueError:
+                continue
+        self.engine.scheduler.counters.weights = weights  # one assignment: the stepping thread sees old or new
 
     def cancel(self, job_id: str) -> bool:
         with self._lock:
