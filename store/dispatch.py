@@ -207,11 +207,11 @@ class SlotBusy(RuntimeError):
 
 
 def _scheduling(job: GenerateJob) -> tuple[str, int, float | None, float]:
-    """(tenant, priority 0-9, deadline, arrival) of a job."""
-    meta = getattr(job, "meta", None)
-    tenant = str(getattr(meta, "tenant", None) or DEFAULT_TENANT)
-    priority = min(max(int(getattr(meta, "priority", job.priority)), 0), 9)
-    return tenant, priority, getattr(meta, "deadline", None), float(getattr(meta, "arrival", 0.0) or 0.0)
+    """(tenant, priority 0-9, deadline, arrival) of a job.  The band is ``job.priority``, which every message
+    has (``meta.priority`` equals it; a message from an older producer has only the default meta)."""
+    meta = job.meta
+    return (meta.tenant or DEFAULT_TENANT, min(max(int(job.priority), 0), 9), meta.deadline,
+            float(meta.arrival or 0.0))
 
 
 def arrival_key(arrival: float) -> str:

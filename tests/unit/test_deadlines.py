@@ -96,3 +96,17 @@ def test_one_watch_ticks_at_a_time(redis, names, store):
     assert first.release()
     assert second.tick() == [job_id]
     assert store.state(job_id) == JobState.EXPIRED
+
+
+def test_a_job_claimed_but_not_started_expires_and_stays_bound_until_its_worker_unbinds(redis, names, store):
+    dispatch = FairDispatch(redis, names)
+    job_id, deadline = _create(store, 0.05)
+    _push(dispatch, job_id, deadline)
+    assert dispatch.claim(MODEL, "gpu-1", "gpu-1:0").job_id == job_id  # bound, not admitted yet
+    time.sleep(0.1)
+    assert DeadlineWatch(store, owner="test").tick() == [job_id]
+    assert store.state(job_id) == JobState.EXPIRED
+    assert store.admit(job_id, worker="gpu-1") == JobState.EXPIRED  # what the worker then sees: it does not run
+    assert dispatch.bound_job("gpu-1:0") == job_id
+    dispatch.unbind("gpu-1:0")
+    assert dispatch.bound_job("gpu-1:0") is None and redis.hget(names.fair_index, job_id) is None
