@@ -118,6 +118,7 @@ class EngineService:
         params = job.params
         detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
         handle = Handle(job, params, task_id, detok, stream=job.stream)
+        self._read_weights()  # outside the lock: a slow broker never holds up the stepping thread
         with self._lock:
             if job.job_id in self.handles:  # a redelivered copy of a job running here: ends with the original
                 handle.duplicate = True
@@ -130,7 +131,6 @@ class EngineService:
                 return handle
             self.handles[job.job_id] = handle  # before the engine can produce output for it
             self.metrics.added(job.job_id, job.meta.tenant)
-            self._read_weights()
             self.jobs_received += 1
             try:
                 self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority, job.meta)
