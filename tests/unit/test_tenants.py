@@ -157,3 +157,27 @@ def test_engine_metrics_count_tokens_and_queue_time_per_tenant():
             sum(len(r[2]) for r in mine)
         assert value(registry, "pagedq_tenant_queue_time_seconds_count", tenant=tenant) == len(mine)
         assert value(registry, "pagedq_tenant_requests_waiting", tenant=tenant) == 0
+
+
+def test_the_gateway_writes_the_keys_tenant_with_the_job_and_its_weight(settings, redis_url, redis, tmp_path):
+    from pagedq.pipeline.gateway.keys import KeyRing, hash_key
+    from pagedq.pipeline.gateway.shapes import job_object
+    from pagedq.pipeline.gateway.state import Gateway
+
+    weight = round(random.uniform(0.5, 5), 2)
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"sha256": hash_key("sk-x"), "tenant": "team@x", "weight": weight},
+                                         {"sha256": hash_key("sk-y"), "tenant": "team-y"}]}))
+    gw = Gateway(settings, redis_url, keyring=KeyRing.load(keys))
+    try:
+        tenant = gw.tenant_for("Bearer sk-x")
+        assert tenant.weight == weight and gw.tenant_for("Bearer sk-y").weight == 1.0
+        job_id = gw.submit(tenant, {"prompt": uuid.uuid4().hex, "max_tokens": 2})
+        status, rec = gw.owned_job(job_id, tenant)  # owned from the first write: no update after the send
+        assert rec["tenant"] == "team@x" and job_object(status)["tenant"] == "team@x"
+        msg = parse_message(PreprocessJob, json.loads(redis.get(gw.names.job_message(job_id))))
+        assert msg.meta.tenant == "team@x"
+        assert float(redis.hget(gw.names.tenant_weights, "team@x")) == weight
+        assert gw.client.store.backlog(settings.model, "team@x") == 1
+    finally:
+        gw.close()
