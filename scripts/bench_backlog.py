@@ -26,6 +26,9 @@ code (checked: the child reports where ``pagedq.config`` came from).
     python scripts/bench_backlog.py                          # 10,000 jobs
     python scripts/bench_backlog.py --jobs 300               # a quick look
     python scripts/bench_backlog.py --compare-rev 0b45208    # this tree vs another revision, one run
+    PAGEDQ_FAIR_SHARE=true python scripts/bench_backlog.py --compare-rev 0b45208   # fair dispatch vs before
+
+PAGEDQ_* variables reach both revisions' processes (a revision ignores a setting it does not have).
 """
 
 from __future__ import annotations
@@ -175,6 +178,8 @@ def run_queue(lines: list[dict], label: str, scratch: Path, timeout: float) -> Q
     if not settings.broker_url:  # a fresh embedded Redis: its commandstats and peak are this run's alone
         settings = settings.model_copy(update={"redis_dir": scratch / "redis"})
     settings = settings.model_copy(update={"result_cache": False})
+    if hasattr(settings, "fair_share"):  # PAGEDQ_FAIR_SHARE (issue 19), where this revision has it
+        label += f", fair dispatch {'on' if settings.fair_share else 'off'}"
     with Stack(settings, log_dir=scratch / "logs", loglevel="WARNING") as stack, \
             Client(settings, stack.url) as client:
         r = redis_client(stack.url, settings=settings)
