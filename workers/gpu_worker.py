@@ -304,10 +304,11 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
 
 class ProgressReporter(threading.Thread):
     def __init__(self, app: Celery, service: EngineService, r: redis.Redis, names: Names, hostname: str,
-                 interval_s: float) -> None:
+                 interval_s: float, name_jobs: bool = False) -> None:
         super().__init__(name="progress", daemon=True)
         self.app, self.service, self.r, self.names = app, service, r, names
         self.hostname, self.interval_s = hostname, interval_s
+        self.name_jobs = name_jobs  # dispatch tokens name no job in their arguments: the progress line does
         self.reported: dict[str, int] = {}
 
     def run(self) -> None:
@@ -330,8 +331,8 @@ class ProgressReporter(threading.Thread):
             if h.num_tokens and self.reported.get(h.task_id) != h.num_tokens:
                 self.reported[h.task_id] = h.num_tokens
                 # Flower shows the custom state (PROGRESS) and, in the task's Result field, the count.
-                dispatcher.send("task-progress", uuid=h.task_id, tokens=h.num_tokens,
-                                result=f"{h.num_tokens} tokens so far")
+                result = f"{h.num_tokens} tokens so far" + (f" (job {h.job.job_id})" if self.name_jobs else "")
+                dispatcher.send("task-progress", uuid=h.task_id, tokens=h.num_tokens, result=result)
                 pipe.hset(self.names.job(h.job.job_id), "completion_tokens", h.num_tokens)
         dispatcher.flush()
         pipe.execute()
@@ -453,7 +454,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
     register_dispatch(app, service, store, names, Dispatch(FairDispatch(r, names), Seats(service)))
     ControlListener(r, names, control.configured_secret(settings), service, hostname).start()
-    ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s).start()
+    ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s, settings.fair_share).start()
     signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
     queue = names.generate_queue(engine.model_name)
     log.info("serving %s on queue %s as %s", engine.model_name, queue, hostname)

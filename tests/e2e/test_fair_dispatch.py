@@ -10,9 +10,13 @@ the order of the claims.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -21,12 +25,15 @@ from queue_helpers import DoneCounter, wait_until
 from pagedq.config import Settings
 from pagedq.config.celery_app import send_dispatch_token
 from pagedq.config.messages import GenerateJob
+from pagedq.config.names import DISPATCH_TASK
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline import Client
+from pagedq.pipeline.local.stack import settings_env
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.store.transport import slot_of
+from pagedq.workers.processes import free_port
 
 TIMEOUT = 180
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -120,6 +127,41 @@ def test_a_flooding_tenant_does_not_starve_another(settings, stack, client):
     assert never_started >= len(waiting) - 1, "a job cancelled while it waits is not run (one may race a claim)"
     flood.close()
     other.close()
+
+
+def test_flower_shows_the_token_and_the_job_it_bound(settings, stack, client, tmp_path):
+    port = free_port()
+    env = {**os.environ, **settings_env(settings), "PAGEDQ_BROKER_URL": stack.url}
+    cmd = [sys.executable, "-m", "pagedq.pipeline.cli", "flower", "--port", str(port), "--unauthenticated-api"]
+    with open(tmp_path / "flower.log", "wb") as log:
+        flower = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _get(f"{base}/healthcheck") == "OK", 60, 0.2, "Flower to start")
+        time.sleep(1.0)  # its event receiver subscribes just after the HTTP server is up
+        job = client.submit(prompt=f"Hello, Flower {random.randrange(10**6)}!", max_tokens=120, **GREEDY)
+
+        def token(state: str, text: str) -> dict | None:
+            tasks = json.loads(_get(f"{base}/api/tasks") or "{}").values()
+            return next((t for t in tasks if t["name"] == DISPATCH_TASK and t["state"] == state and
+                         job in str(t.get("result")) and text in str(t.get("result"))), None)
+        bound = wait_until(lambda: token("PROGRESS", "bound job"), 60, 0.1, "the token naming the job it bound")
+        assert "binds a job when it runs" in bound["args"] and job not in bound["args"]
+        wait_until(lambda: token("PROGRESS", "tokens so far"), 60, 0.1, "the token's progress naming its job")
+        client.result(job, timeout=TIMEOUT)
+        done = wait_until(lambda: token("SUCCESS", job), 30, 0.5, "the token's SUCCESS naming its job")
+        assert done["worker"] == gpu_workers(stack)[0].hostname and "'completion_tokens': 120" in done["result"]
+    finally:
+        flower.send_signal(signal.SIGTERM)
+        flower.wait(30)
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
 
 
 def submit_and_wait_running(client: Client, n: int, max_tokens: int) -> tuple[list[str], list[str]]:
