@@ -195,6 +195,7 @@ def test_kill_9_of_the_gpu_worker_every_bound_job_completes_once(settings, stack
     assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
     assert all(client.status(j).worker == fresh.hostname for j in running)
     assert all(client.status(j).attempts == 2 for j in running), "a lost worker counts an attempt"
+    assert all(client.r.hget(client.names.job(j), "redeliveries") == "1" for j in running), "restored once"
     assert_clean(client)
 
 
