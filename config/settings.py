@@ -125,8 +125,9 @@ class Settings(BaseSettings):
         default_factory=dict, description='JSON map tenant -> weight (> 0, default 1), e.g. {"team-a": 2}: a '
                                           "tenant's share of service within a priority band is its weight's share")
     tenant_backlog_share: float = Field(
-        0.5, gt=0, le=1, description="one tenant's jobs of a model accepted and not yet ended are at most "
-                                     "ceil(this x max_queued_jobs); beyond it its submits get queue_full")
+        1.0, gt=0, le=1, description="one tenant's jobs of a model accepted and not yet ended are at most "
+                                     "ceil(this x max_queued_jobs); beyond it its submits get queue_full. 1.0 (the "
+                                     "default) keeps the whole bound for any tenant; a shared deployment sets e.g. 0.5")
     fair_share: bool = Field(False, description="fair dispatch: generate jobs wait in a Redis fair queue per model "
                              "(priority band, then the least-served tenant, then deadline and arrival) and a GPU "
                              "worker claims the next one when it has room; false = kombu's arrival order per "
