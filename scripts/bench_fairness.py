@@ -182,6 +182,12 @@ def submit_batch(base: str, tenant: Tenant, requests: list[BenchRequest]) -> str
     return made.json()["id"]
 
 
+def submit_all(base: str, work: list[tuple[Tenant, list[BenchRequest]]]) -> list[str]:
+    """Each tenant's batch, all at the same moment (one thread each): no tenant gets a head start."""
+    with ThreadPoolExecutor(max_workers=len(work)) as pool:
+        return list(pool.map(lambda tw: submit_batch(base, *tw), work))
+
+
 def cancel_batch(base: str, tenant: Tenant, batch_id: str) -> None:
     httpx.post(f"{base}/v1/batches/{batch_id}/cancel", headers={"Authorization": f"Bearer {tenant.key}"},
                timeout=600).raise_for_status()
@@ -289,7 +295,7 @@ class Window:
     output_tps: dict[str, float]  # tenant -> output tokens/s
     backlogged: list[str]  # tenants with a job waiting throughout
     jain: float | None  # over the backlogged tenants' weighted service, when two or more
-    ratio: float | None  # first backlogged tenant's weighted service / second's
+    ratio: float | None  # first backlogged tenant's service / second's (not divided by weights: 2:1 -> 2.0)
 
 
 def windows(jobs: list[Job], weights: dict[str, float], t0: float, t1: float, width: float) -> list[Window]:
@@ -302,8 +308,9 @@ def windows(jobs: list[Job], weights: dict[str, float], t0: float, t1: float, wi
         hi = min(lo + width, t1)
         tps = {t: spread(js, lo, hi) / (hi - lo) for t, js in by_tenant.items()}
         busy = [t for t in by_tenant if spans[t][0] <= lo and spans[t][1] >= hi]
-        service = [spread(by_tenant[t], lo, hi, prompt_cost=1.0) / weights.get(t, 1.0) for t in busy]
-        out.append(Window(lo - t0, hi - lo, tps, busy, jain(service) if len(busy) >= 2 else None,
+        service = [spread(by_tenant[t], lo, hi, prompt_cost=1.0) for t in busy]
+        fair = [x / weights.get(t, 1.0) for t, x in zip(busy, service, strict=True)]
+        out.append(Window(lo - t0, hi - lo, tps, busy, jain(fair) if len(busy) >= 2 else None,
                           service[0] / service[1] if len(busy) >= 2 and service[1] else None))
         lo = hi
     return out
@@ -391,7 +398,7 @@ def run_flood(args, base: str, client: Client, fair: str, flood: dict[Tenant, li
     print(f"[{fair}] alone: {Latency.of(alone).line()}", flush=True)
 
     t0 = time.time()
-    batches = {t: submit_batch(base, t, reqs) for t, reqs in flood.items()}
+    batches = dict(zip(flood, submit_all(base, list(flood.items())), strict=True))
     ids = {t: batch_job_ids(client, b) for t, b in batches.items()}
     every = [j for js in ids.values() for j in js]
     print(f"[{fair}] flood submitted: {len(every)} jobs in {time.time() - t0:.1f} s", flush=True)
@@ -416,7 +423,7 @@ def run_flood(args, base: str, client: Client, fair: str, flood: dict[Tenant, li
 def run_weights(args, base: str, client: Client, fair: str, pair: tuple[Tenant, Tenant],
                 reqs: tuple[list[BenchRequest], list[BenchRequest]]) -> WeightsResult:
     weights = (pair[0].weight or 1.0, pair[1].weight or 1.0)
-    batches = [submit_batch(base, t, r) for t, r in zip(pair, reqs, strict=True)]
+    batches = submit_all(base, list(zip(pair, reqs, strict=True)))
     ids = [batch_job_ids(client, b) for b in batches]
     stop_at = time.monotonic() + args.duration
     while time.monotonic() < stop_at and all(waiting(client, js) for js in ids):
@@ -500,6 +507,10 @@ def report_weights(r: WeightsResult, tenants: list[str]) -> None:
     print_windows(r.windows, tenants)
     ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
     jn = f"{r.min_jain:.3f}" if r.min_jain is not None else "-"
+    width = max((x.seconds for x in r.windows), default=0)
+    ratios = [x.ratio for x in r.windows if x.ratio is not None and x.seconds >= 0.999 * width]
+    if ratios:
+        print(f"\nper-window service ratio over the {len(ratios)} whole windows: {min(ratios):.2f}..{max(ratios):.2f}")
     print(f"\nservice ratio {tenants[0]}/{tenants[1]} (prompt + output tokens) over the span: {ratio} "
           f"(weights {w}); min Jain's index (service / weight) over the whole windows: {jn}", flush=True)
 
@@ -541,6 +552,10 @@ def main() -> int:
     args.parts = {p.strip() for p in args.parts.split(",")}
     if not args.parts <= {"flood", "weights"}:
         ap.error("--parts: flood and/or weights")
+    if "flood" not in args.parts:
+        args.flood = args.flood_b = 0  # no requests sampled for it
+    if "weights" not in args.parts:
+        args.weights_jobs = 0
 
     settings_run = {"both": ["off", "on"], "on": ["on"], "off": ["off"]}[args.fair]
     if not has_fair_setting():
