@@ -42,11 +42,20 @@ def tls_options(url: str, settings: Settings | None) -> dict:
     return options
 
 
+MAX_CONNECTIONS = 1024  # per client; a GPU worker runs hundreds of task threads, each may be in a call at once
+
+
 def redis_client(url: str, timeout_s: float | None = 30, settings: Settings | None = None) -> redis.Redis:
-    """A client whose every call answers or raises within ``timeout_s`` (blocking reads wait less than that)."""
-    return redis.Redis.from_url(url, decode_responses=True, health_check_interval=30, socket_timeout=timeout_s,
-                                socket_connect_timeout=timeout_s, retry_on_timeout=False,
-                                **tls_options(url, settings))
+    """A client whose every call answers or raises within ``timeout_s`` (blocking reads wait less than that).
+
+    Its pool blocks for a free connection (up to ``timeout_s``) instead of raising: redis-py's default pool
+    raises ``MaxConnectionsError`` past 100 connections, which a worker's hundreds of task threads reach.
+    """
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=timeout_s, decode_responses=True, health_check_interval=30,
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
+        **tls_options(url, settings))
+    return redis.Redis(connection_pool=pool)
 
 
 def ping(url: str, timeout: float = 1.0) -> bool:
