@@ -166,10 +166,12 @@ end
 return id
 """
 
-# KEYS: the slot, fair index. ARGV: slot name, job-key prefix, fair-message prefix.  The job ended.
+# KEYS: the slot, fair index. ARGV: slot name, job-key prefix, fair-message prefix, the job expected ('' = any).
+# The job ended.  A slot bound to another job meanwhile is left alone.
 _UNBIND = """
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
+if ARGV[4] ~= '' and id ~= ARGV[4] then return false end
 redis.call('DEL', KEYS[1])
 if redis.call('HGET', ARGV[2] .. id, 'slot') == ARGV[1] then redis.call('HDEL', ARGV[2] .. id, 'slot') end
 local raw = redis.call('HGET', KEYS[2], id)
@@ -270,10 +272,12 @@ class FairDispatch:
         n = self.names
         return self._release(keys=[n.slot(slot), n.fair_index], args=[slot, self._job_prefix, self._message_prefix])
 
-    def unbind(self, slot: str) -> None:
-        """The job bound to ``slot`` ended: forget the binding, its index entry and its message."""
+    def unbind(self, slot: str, job_id: str | None = None) -> None:
+        """The job bound to ``slot`` ended: forget the binding, its index entry and its message.  With ``job_id``,
+        only if the slot is still bound to that job (a slot rebound to another job keeps it)."""
         n = self.names
-        self._unbind(keys=[n.slot(slot), n.fair_index], args=[slot, self._job_prefix, self._message_prefix])
+        self._unbind(keys=[n.slot(slot), n.fair_index],
+                     args=[slot, self._job_prefix, self._message_prefix, job_id or ""])
 
     def remove(self, job_id: str) -> bool:
         """Take a waiting job out of its fair queue (with its message); False if it was not waiting."""

@@ -45,7 +45,7 @@ local expires = redis.call('HGET', KEYS[1], 'expires_at')
 local started = redis.call('HGET', KEYS[1], 'started_at')
 local t = redis.call('TIME')
 local clock = tonumber(t[1]) + tonumber(t[2]) / 1000000
-if st == 'queued' and not started and expires and tonumber(expires) < clock then return 'expired' end
+if st == 'queued' and not started and expires and tonumber(expires) <= clock then return 'expired' end
 if ARGV[2] == '1' then
   local holder = redis.call('HGET', KEYS[1], 'worker')
   local spared = false
@@ -53,12 +53,13 @@ if ARGV[2] == '1' then
     local record = ARGV[5] .. holder
     local pttl = redis.call('PTTL', record)
     local ttl = tonumber(redis.call('HGET', record, 'ttl_s') or '0')
-    spared = pttl == -1 or (pttl > 0 and (ttl == 0 or pttl > ttl * 500))
+    spared = pttl > 0 and (ttl == 0 or pttl > ttl * 500)  -- no TTL: not a heartbeat, no proof of life
   end
   if not spared then
     if tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') >= tonumber(ARGV[4]) then return 'poison' end
     redis.call('HINCRBY', KEYS[1], 'attempts', 1)
   end
+  redis.call('HSET', KEYS[1], 'attempt_counted', spared and '0' or '1')
   if not started then redis.call('HSET', KEYS[1], 'started_at', ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'in_progress', 'worker', ARGV[3])
   redis.call('HDEL', KEYS[1], 'restored_from')
@@ -178,7 +179,10 @@ return st or 'missing'
 _REQUEUE = """
 if redis.call('HGET', KEYS[1], 'state') == 'in_progress' then
   redis.call('HSET', KEYS[1], 'state', 'queued')
-  if ARGV[1] == '0' then redis.call('HINCRBY', KEYS[1], 'attempts', -1) end
+  -- an orderly hand-back takes back the attempt its admit counted (none if the admit spared it)
+  if ARGV[1] == '0' and redis.call('HGET', KEYS[1], 'attempt_counted') ~= '0' then
+    redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+  end
   return 1
 end
 return 0

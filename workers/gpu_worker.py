@@ -201,7 +201,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent before this
             # one is acknowledged: a kill in between leaves two tokens for one job, and the spare finds nothing.
             # Not Reject(requeue=True): Celery logs each with a traceback, and a full worker hands on several a second.
-            send_dispatch_token(self.app, token.model, token.priority, token.slot)
+            send_dispatch_token(self.app, token.model, token.priority)  # a fresh slot: never two tokens on one
             return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
         try:
             job = d.fair.claim(service.engine.model_name, self.request.hostname, token.slot)
@@ -240,7 +240,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
         handle.done.wait()
         if handle.duplicate:  # already running here under another token (a restore released it): ends with it
             if handle.original is None or not handle.original.requeue:
-                d.fair.unbind(slot)  # else the Reject below hands the token back and its restore releases the job
+                d.fair.unbind(slot, job.job_id)  # else the Reject below hands the token back and its restore releases the job
             return conclude(task.app, handle, store, names)
         if handle.requeue:  # drain or replica loss: the job back in its fair queue, the token back on its queue
             store.requeue(job.job_id, count_attempt=handle.lost)
@@ -255,7 +255,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
 
     def end_bound(job: GenerateJob, slot: str, generated: int) -> None:
         """The job ended (or was sent to postprocess): forget its binding, give back the output it did not use."""
-        d.fair.unbind(slot)
+        d.fair.unbind(slot, job.job_id)
         tenant = getattr(getattr(job, "meta", None), "tenant", None) or "default"
         d.fair.refund(job.model, tenant, max(int(job.params.max_tokens or 0) - generated, 0))
 
@@ -406,7 +406,9 @@ class ControlListener:
     def _count_ignored(self) -> None:
         if self.worker:
             try:
-                self.r.hincrby(self.names.worker(self.worker), "control_ignored", 1)
+                key = self.names.worker(self.worker)
+                if self.r.exists(key):  # never recreate an expired record (without its TTL it would look alive)
+                    self.r.hincrby(key, "control_ignored", 1)
             except redis.RedisError:
                 pass
 
@@ -450,7 +452,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
-    store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts)
+    store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts, settings.send_grace_s)
     register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
     register_dispatch(app, service, store, names, Dispatch(FairDispatch(r, names), Seats(service)))
     ControlListener(r, names, control.configured_secret(settings), service, hostname).start()

@@ -291,3 +291,23 @@ def test_a_broker_paused_longer_than_the_lease_takes_no_job_from_a_live_worker(d
     names = Names.from_settings(client.settings)
     clock = client.r.hgetall(names.lease_clock)
     assert float(clock["resumed"]) > float(clock["seen"]) - 60, "the pause was seen as the broker coming back"
+
+
+def test_a_hand_back_takes_back_only_an_attempt_its_admit_counted(redis):
+    names = Names(key_prefix=f"adm{uuid.uuid4().hex[:6]}:")
+    store = JobStore(redis, names, result_ttl_s=60, max_attempts=3)
+    job = uuid.uuid4().hex
+    store.create([(job, {"state": "queued", "priority": random.randint(0, 9)})], 10)
+    holder, taker = (f"gpu{i}.{uuid.uuid4().hex[:6]}" for i in range(2))
+    for w in (holder, taker):
+        Heartbeat(redis, names.worker(w), {"role": "gpu"}, ttl_s=LEASE)
+    assert store.admit(job, worker=holder) == "ok" and store.get(job)["attempts"] == "1"
+    redis.eval(transport._REQUEUE_JOB, 1, names.job(job))  # a lease restore while the holder lives
+    assert store.admit(job, worker=taker) == "ok" and store.get(job)["attempts"] == "1"  # spared: not counted
+    store.requeue(job)  # the taker drains: it hands back a start that counted nothing
+    assert store.get(job)["attempts"] == "1"  # was 0: the next death would not have counted toward poison
+    assert store.admit(job, worker=holder) == "ok" and store.get(job)["attempts"] == "2"
+    redis.delete(names.worker(holder))
+    redis.hset(names.worker(holder), "role", "gpu")  # a record without a TTL (no heartbeat) proves nothing
+    redis.eval(transport._REQUEUE_JOB, 1, names.job(job))
+    assert store.admit(job, worker=taker) == "ok" and store.get(job)["attempts"] == "3"

@@ -187,7 +187,10 @@ def test_unbind_forgets_and_remove_takes_a_waiting_job_out(redis, names, dispatc
     assert dispatch.remove(jobs[2].job_id) is True
     assert dispatch.remove(jobs[2].job_id) is False
     assert redis.exists(names.fair_message(jobs[2].job_id)) == 0
-    dispatch.unbind("s1")
+    dispatch.unbind("s1", job_id=jobs[2].job_id)  # the end of another job: the slot's binding stays
+    assert dispatch.bound_job("s1") == bound.job_id
+    assert redis.exists(names.fair_message(bound.job_id)) == 1
+    dispatch.unbind("s1", job_id=bound.job_id)
     assert dispatch.bound_job("s1") is None
     assert redis.exists(names.fair_message(bound.job_id)) == 0
     assert redis.hget(names.fair_index, bound.job_id) is None
