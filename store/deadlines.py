@@ -17,28 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 
 from pagedq.config.names import JobState
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore
+from pagedq.store.locks import OwnedLock
 
 log = logging.getLogger(__name__)
-
-# KEYS: lock. ARGV: token, ms.  Take the lock if free, or extend it if this token holds it.
-_HOLD = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-# KEYS: lock. ARGV: token.  Compare-and-delete.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
-"""
-
 
 class DeadlineWatch:
     """Ends waiting jobs past their start deadline; ``batch`` bounds the jobs one tick handles."""
@@ -50,15 +35,13 @@ class DeadlineWatch:
         self.names = store.names
         self.interval_s = interval_s
         self.batch = batch
-        self.token = f"{owner}:{uuid.uuid4().hex[:8]}"
+        self.lock = OwnedLock(self.r, self.names.deadline_lock, owner)
         self._lock_ms = max(int(lock_s * 1000), int(interval_s * 2000))
         self._dispatch = FairDispatch(self.r, self.names)
-        self._hold = self.r.register_script(_HOLD)
-        self._release = self.r.register_script(_RELEASE)
 
     def tick(self) -> list[str]:
         """Expire the jobs past due that never started; returns their ids ([] when another process ticks)."""
-        if not self._hold(keys=[self.names.deadline_lock], args=[self.token, self._lock_ms]):
+        if not self.lock.hold(self._lock_ms):
             return []
         seconds, micros = self.r.time()
         due = self.r.zrangebyscore(self.names.deadlines, "-inf", seconds + micros / 1e6, start=0, num=self.batch)
@@ -75,7 +58,7 @@ class DeadlineWatch:
 
     def release(self) -> bool:
         """Give the lock back, if this watch holds it."""
-        return bool(self._release(keys=[self.names.deadline_lock], args=[self.token]))
+        return self.lock.release()
 
     def run(self, stop: threading.Event) -> None:
         """Tick every ``interval_s`` until ``stop`` is set; a failed tick is logged and the next one runs."""

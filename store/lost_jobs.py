@@ -52,13 +52,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterable
 
 from pagedq.config.messages import PreprocessJob, RequestError
 from pagedq.config.names import JobState, model_slug
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore, now
+from pagedq.store.locks import OwnedLock
 from pagedq.store.transport import job_id_of, slot_of
 
 log = logging.getLogger("pagedq.lost_jobs")
@@ -85,20 +85,6 @@ redis.call('HSET', KEYS[1], 'resent_at', ARGV[1])
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[3], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[5]), ARGV[4])
 return message
-"""
-
-# KEYS: lock. ARGV: token, ms.  Compare-and-extend; a lock that lapsed unclaimed (a long pause) is taken back.
-_EXTEND = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-# KEYS: lock. ARGV: token.  Compare-and-delete.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
 """
 
 # KEYS: lock, lost suspects. ARGV: token, TTL (s), job ids.  This sweep's suspects replace the last ones.
@@ -129,19 +115,18 @@ class LostJobSweep:
         self._short: dict[str, int] = {}  # generate queue -> tokens short at the last sweep
         self.interval_s = interval_s
         self.owner = owner
-        self.token = f"{owner}:{uuid.uuid4().hex}"  # unique per sweeper, even for two with one hostname
+        self.lock = OwnedLock(self.r, self.names.sweep_lock, owner)
+        self.token = self.lock.token  # the resend and suspect scripts check it holds the lock
         self.max_resends = max_resends
         self.page = page
         self._lock_ms = max(int(interval_s * 900), 100)  # the lock outlives a sweep by most of an interval
         self._renewed_at = 0.0
         self._resend = self.r.register_script(_RESEND)
-        self._extend = self.r.register_script(_EXTEND)
-        self._release = self.r.register_script(_RELEASE)
         self._suspect = self.r.register_script(_SUSPECT)
 
     def sweep(self) -> list[str]:
         """One sweep (unless another process swept within the interval); returns the jobs sent again."""
-        if not self.r.set(self.names.sweep_lock, self.token, nx=True, px=self._lock_ms):
+        if not self.lock.take(self._lock_ms):
             return []
         started = self._renewed_at = time.monotonic()
         resent: list[str] = []
@@ -155,17 +140,17 @@ class LostJobSweep:
             raise
         # Kept until most of an interval has passed since this sweep began: one sweep per interval, whichever process.
         left_ms = self._lock_ms - int((time.monotonic() - started) * 1000)
-        if left_ms < 1 or not self._extend(keys=[self.names.sweep_lock], args=[self.token, left_ms]):
+        if left_ms < 1 or not self.lock.hold(left_ms):  # a lapsed lock nobody took is taken back
             self.release()
         return resent
 
     def release(self) -> bool:
         """Give the lock back, if this sweeper still holds it."""
-        return bool(self._release(keys=[self.names.sweep_lock], args=[self.token]))
+        return self.lock.release()
 
     def renew(self) -> None:
         """Extend the lock by its whole TTL, unless another sweeper holds it now (then raise LockLost)."""
-        if not self._extend(keys=[self.names.sweep_lock], args=[self.token, self._lock_ms]):
+        if not self.lock.hold(self._lock_ms):
             raise LockLost(self.names.sweep_lock)
         self._renewed_at = time.monotonic()
 

@@ -52,6 +52,7 @@ from pagedq.pipeline.gateway.limits import TenantLimits
 from pagedq.pipeline.gateway.shapes import BatchObject, RequestCounts, list_page
 from pagedq.pipeline.postprocess import batch_output_line
 from pagedq.pipeline.protocol import RequestError, Text, split_lines
+from pagedq.store.locks import OwnedLock
 
 log = logging.getLogger(__name__)
 
@@ -254,14 +255,6 @@ class BatchStore:
         return list_page(items[:limit], len(items) > limit)
 
 
-# KEYS: the lock. ARGV: owner token, seconds.  Renews (or with seconds 0, releases) a lock its owner holds.
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] == '0' then return redis.call('DEL', KEYS[1]) end
-return redis.call('EXPIRE', KEYS[1], ARGV[2])
-"""
-
-
 class BatchFinalizer:
     """Writes the output files of batches whose jobs have all ended, and then lets their records expire.
 
@@ -274,7 +267,6 @@ class BatchFinalizer:
         self.r, self.names, self.keys, self.files = r, names, keys, files
         self.result_ttl_s = result_ttl_s
         self.file_ttl_s = file_ttl_s  # for batches created before their hash recorded theirs
-        self._renew = r.register_script(_RENEW)
 
     @classmethod
     def from_settings(cls, settings: Settings, r: redis.Redis) -> BatchFinalizer:
@@ -307,13 +299,13 @@ class BatchFinalizer:
         """Write the batch's output files (if the gateway made it and nobody has yet), give its jobs' keys
         their TTL and take it off the queue.  Returns the gateway batch's meta ({} for a batch of the
         Python client's), or None while another process is finalizing it."""
-        lock, token = self.keys.finalize_lock(batch_id), uuid.uuid4().hex
-        if not self.r.set(lock, token, nx=True, ex=FINALIZE_LOCK_S):
+        lock = OwnedLock(self.r, self.keys.finalize_lock(batch_id))
+        if not lock.take(FINALIZE_LOCK_S * 1000):
             return None
         try:
             meta = self.r.hgetall(self.keys.batch(batch_id))
             if meta and "status" not in meta:
-                final = self._write(batch_id, meta, lambda: self._renew(keys=[lock], args=[token, FINALIZE_LOCK_S]))
+                final = self._write(batch_id, meta, lambda: lock.hold(FINALIZE_LOCK_S * 1000))
                 pipe = self.r.pipeline(transaction=True)
                 pipe.hset(self.keys.batch(batch_id), mapping=final)
                 pipe.expire(self.keys.batch(batch_id), int(meta.get("file_ttl_s", self.file_ttl_s)))  # as its files
@@ -323,7 +315,7 @@ class BatchFinalizer:
             self.r.zrem(self.names.batches_to_finalize, batch_id)
             return meta
         finally:
-            self._renew(keys=[lock], args=[token, 0])
+            lock.release()
 
     def _write(self, batch_id: str, meta: dict[str, str], renew: Callable[[], object]) -> dict:
         queue = self.r.hgetall(self.names.batch(batch_id))

@@ -180,6 +180,17 @@ def assert_clean(client: Client) -> None:
     assert not list(client.r.scan_iter(match=client.names.slot("*"), count=1000))
 
 
+def completed_once_on(worker, client: Client, counter: DoneCounter, jobs: list[str], running: list[str],
+                      tokens: int) -> None:
+    """Every job completes whole and is published once; those running at the fault finished on ``worker``."""
+    results = [client.result(j, timeout=600) for j in jobs]
+    wait_until(lambda: all(counter.counts[j] >= 1 for j in jobs), 30, what="every publication")
+    counter.stop()
+    assert all(r["usage"]["completion_tokens"] == tokens for r in results)
+    assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
+    assert all(client.status(j).worker == worker.hostname for j in running)
+
+
 def test_kill_9_of_the_gpu_worker_every_bound_job_completes_once(settings, stack, client):
     counter = DoneCounter(client.r, client.names)
     jobs, running = submit_and_wait_running(client, 5, 48)
@@ -188,12 +199,7 @@ def test_kill_9_of_the_gpu_worker_every_bound_job_completes_once(settings, stack
     victim.proc.wait()
     stack.children.remove(victim)
     fresh = stack.add_worker("gpu")
-    results = [client.result(j, timeout=600) for j in jobs]
-    wait_until(lambda: all(counter.counts[j] >= 1 for j in jobs), 30, what="every publication")
-    counter.stop()
-    assert all(r["usage"]["completion_tokens"] == 48 for r in results)
-    assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
-    assert all(client.status(j).worker == fresh.hostname for j in running)
+    completed_once_on(fresh, client, counter, jobs, running, tokens=48)
     assert all(client.status(j).attempts == 2 for j in running), "a lost worker counts an attempt"
     assert all(client.r.hget(client.names.job(j), "redeliveries") == "1" for j in running), "restored once"
     assert_clean(client)
@@ -207,12 +213,7 @@ def test_drain_hands_bound_jobs_back_and_they_complete_on_another_worker(setting
     assert all(client.status(j).state == "queued" and fair.is_waiting(j) for j in running), \
         "the drain hands running jobs back to the fair queue"
     fresh = stack.add_worker("gpu")
-    results = [client.result(j, timeout=600) for j in jobs]
-    wait_until(lambda: all(counter.counts[j] >= 1 for j in jobs), 30, what="every publication")
-    counter.stop()
-    assert all(r["usage"]["completion_tokens"] == 120 for r in results)
-    assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
-    assert all(client.status(j).worker == fresh.hostname for j in running)
+    completed_once_on(fresh, client, counter, jobs, running, tokens=120)
     assert all(client.status(j).attempts == 1 for j in running), "a drain does not count an attempt"
     assert_clean(client)
 
