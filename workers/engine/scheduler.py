@@ -275,9 +275,10 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
         finished: list[Sequence] = []
+        served: dict[str, int] = {}  # tenant -> tokens generated this step, charged once per tenant below
         for seq, token, logprob in zip(result.seqs, result.sampled.token_ids, result.sampled.logprobs,
                                        strict=True):
-            self.counters.charge(seq.tenant, output_tokens=1)
+            served[seq.tenant] = served.get(seq.tenant, 0) + 1
             seq.token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
@@ -285,6 +286,8 @@ class Scheduler:
             if seq.is_finished:
                 self._remove(seq)
                 finished.append(seq)
+        for tenant, n in served.items():
+            self.counters.charge(tenant, output_tokens=n)
         for seq, _ in result.sched.scheduled:
             if (deferred := self._deferred.pop(id(seq), None)) and not seq.is_finished:
                 self.finish(seq, deferred[1])
