@@ -14,6 +14,13 @@ The order among the waiting jobs of one model (DESIGN.md, "Fleet scheduling"):
    banks no credit, and a returning tenant is not starved either.
 3. **Within a tenant, earliest start deadline, then arrival.**
 
+Seats: when every seat of a worker is taken, a tenant holding fewer of them
+than its share (``seat_share``: the seats split evenly among the tenants
+holding some and itself) may still take one, in place of a sequence of the
+most-seated tenant of its band (preempted, recomputed later from the prefix
+cache).  Without it, a tenant that arrives after another's flood filled every
+seat waits until the flood's running jobs end, however low its counter.
+
 ``FairQueue`` is that order in plain Python (no I/O): the test oracle, and
 the engine-side order.  Service is charged with ``charge`` as it is given
 (the dispatcher charges the prompt when a job is claimed and output tokens as
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -76,6 +83,17 @@ class VirtualTokenCounters:
             self.counters[tenant] = max(self.get(tenant), min(others))
 
 
+def seat_share(held: Mapping[str, int], tenant: str, seats: int) -> int:
+    """``tenant``'s share of one worker's ``seats``: split evenly among the tenants holding some and ``tenant``."""
+    tenants = {t for t, n in held.items() if n > 0} | {tenant}
+    return seats // len(tenants)
+
+
+def below_share(held: Mapping[str, int], seats: int) -> Callable[[str], bool]:
+    """Whether a tenant holds fewer seats than its share (it may take one when all are taken)."""
+    return lambda tenant: held.get(tenant, 0) < seat_share(held, tenant, seats)
+
+
 class FairQueue(Generic[K]):
     """The waiting jobs of one model, popped in the fleet order (module docstring).
 
@@ -110,9 +128,10 @@ class FairQueue(Generic[K]):
         heap = self._bands.setdefault(meta.priority, {}).setdefault(meta.tenant, [])
         heapq.heappush(heap, (*meta.order_within_tenant(), next(self._seq), key))
 
-    def peek(self) -> K | None:
-        """The key ``pop`` would return, or None when nothing waits."""
-        choice = self._choose()
+    def peek(self, only: Callable[[str], bool] | None = None) -> K | None:
+        """The key ``pop`` would return, or None when nothing waits.  With ``only``: the first key in the same
+        order among the tenants ``only`` accepts, in the highest band alone (strict priority), or None."""
+        choice = self._choose(only)
         return None if choice is None else choice[2][0][3]
 
     def pop(self) -> K | None:
@@ -136,11 +155,15 @@ class FairQueue(Generic[K]):
         self._forget(key, meta.priority, meta.tenant, heap)
         return True
 
-    def _choose(self) -> tuple[int, str, list] | None:
+    def _choose(self, only: Callable[[str], bool] | None = None) -> tuple[int, str, list] | None:
         if not self._bands:
             return None
         priority = max(self._bands)
         tenants = self._bands[priority]
+        if only is not None:
+            tenants = {t: heap for t, heap in tenants.items() if only(t)}
+            if not tenants:
+                return None
         # The least-served tenant; equal counters go to the tenant whose head job is earliest.
         tenant = min(tenants, key=lambda t: (self.counters.get(t), tenants[t][0][:3]))
         return priority, tenant, tenants[tenant]

@@ -169,7 +169,7 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
             error = RequestError(f"preprocess failed: {type(e).__name__}: {e}", code="server_error")
             store.finish(msg.job_id, JobState.FAILED, error=error.to_dict())
             raise JobNotCompleted(f"job {msg.job_id} failed: {error.code}: {error}") from None
-        store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids))
+        store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids), preprocessed_at=time.time())
         if fair is not None:  # the job waits in its model's fair queue; a token runs the next one in line
             fair.push(job)  # before the token, and before this message is acknowledged: never a token too few
             send_dispatch_token(self.app, job.model, job.priority)

@@ -414,10 +414,35 @@ def run_flood(args, base: str, client: Client, fair: str, flood: dict[Tenant, li
     flood_jobs = [j for j in jobs if j.tenant != chat.name]
     t1 = max((j.ended for j in flood_jobs if j.ended), default=time.time())
     out_tokens = sum(j.output_tokens for j in jobs if j.ended and j.ended <= t1)
+    print_breakdown(client, beside)
     result = FloodResult(fair, Latency.of(alone), Latency.of(beside), len(flood_jobs),
                          sum(j.state == "completed" for j in flood_jobs), t1 - t0, out_tokens / (t1 - t0),
                          windows(jobs, {}, t0, t1, args.window))
     return result
+
+
+def print_breakdown(client: Client, answers: list[Answer]) -> None:
+    """Where the interactive requests' time to first token went: sent -> created (gateway) -> preprocessed (the
+    CPU worker's queue and tokenizer) -> started (the fair queue and a free seat) -> first token (the engine)."""
+    ok = [a for a in answers if a.job_id and a.ttft is not None]
+    pipe = client.r.pipeline(transaction=False)
+    for a in ok:
+        pipe.hmget(client.names.job(a.job_id), "created_at", "preprocessed_at", "started_at")
+    parts: dict[str, list[float]] = {"gateway": [], "preprocess": [], "to a seat": [], "engine": []}
+    rows = []
+    for a, (created, pre, started) in zip(ok, pipe.execute(), strict=True):
+        if not (created and pre and started):
+            continue
+        c, p, s = float(created) - a.sent_at, float(pre) - a.sent_at, float(started) - a.sent_at
+        row = (c, p - c, s - p, a.ttft - s)
+        rows.append((a.ttft, a.sent_at - ok[0].sent_at, row))
+        for name, x in zip(parts, row, strict=True):
+            parts[name].append(x)
+    print("TTFT made of (s, p50/p99): " + ", ".join(f"{k} {pct(v, 0.5):.2f}/{pct(v, 0.99):.2f}"
+                                                      for k, v in parts.items()), flush=True)
+    for ttft, at, row in sorted(rows, reverse=True)[:5]:
+        print(f"  slowest: TTFT {ttft:.2f} s, sent at +{at:.0f} s: " +
+              ", ".join(f"{k} {x:.2f}" for k, x in zip(parts, row, strict=True)), flush=True)
 
 
 def run_weights(args, base: str, client: Client, fair: str, pair: tuple[Tenant, Tenant],

@@ -35,6 +35,7 @@ slot key names at most one job, and that job's index entry names the slot.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import redis
 
@@ -88,12 +89,23 @@ return 1
 """
 
 # KEYS: the model's counters, tenant weights, fair index, the slot. ARGV: fair prefix, slot name, job-key
-# prefix, fair-message prefix.  Returns the claimed job's message, false when nothing waits, an error when the
-# slot is bound already.  A job found ended, cancelling or gone is dropped (index entry and message) and skipped.
+# prefix, fair-message prefix, '' or (a claim beyond the worker's seats) JSON {"held": {tenant: seats},
+# "seats": n, "lowest": lowest running priority}.  Returns the claimed job's message, false when nothing waits,
+# an error when the slot is bound already.  A job found ended, cancelling or gone is dropped (index entry and
+# message) and skipped.  Beyond the seats only the highest band with a job waiting is looked at: any tenant
+# if it outranks a running job, else the tenants below their seat share (``fleet.policy.seat_share``).
 _CLAIM = _LIB + """
 if redis.call('EXISTS', KEYS[4]) == 1 then return redis.error_reply('SLOTBUSY ' .. ARGV[2]) end
 local prefix = ARGV[1]
+local over = nil
+if ARGV[5] ~= '' then over = cjson.decode(ARGV[5]) end
 local function score(s) if s == 'inf' or s == '+inf' then return math.huge end return tonumber(s) end
+local function may_take(p, t)
+  if over == nil or p > tonumber(over.lowest) then return true end
+  local n = 1
+  for h, c in pairs(over.held) do if h ~= t and tonumber(c) > 0 then n = n + 1 end end
+  return tonumber(over.held[t] or 0) < math.floor(tonumber(over.seats) / n)
+end
 for p = 9, 0, -1 do
   local tkey = prefix .. 'tenants:' .. p
   while true do
@@ -105,7 +117,7 @@ for p = 9, 0, -1 do
       local head = redis.call('ZRANGE', prefix .. 'band:' .. p .. ':' .. t, 0, 0, 'WITHSCORES')
       if #head == 0 then
         redis.call('SREM', tkey, t)  -- cannot happen while the invariants hold; heals if it does
-      else
+      elseif may_take(p, t) then
         local d = score(head[2])
         if best == nil or c < bc or (c == bc and (d < bd or (d == bd and head[1] < bm))) then
           best, bc, bd, bm = t, c, d, head[1]
@@ -132,6 +144,8 @@ for p = 9, 0, -1 do
       end
       redis.call('HDEL', KEYS[3], id)
       redis.call('DEL', ARGV[4] .. id)
+    elseif over ~= nil then
+      return false  -- none of this band may take a seat beyond the worker's; no lower band either
     end
   end
 end
@@ -204,6 +218,15 @@ return 1
 """
 
 
+@dataclass(frozen=True)
+class SeatsHeld:
+    """A worker with no free seat: its seats, the seats each tenant holds, the lowest priority running."""
+
+    seats: int
+    held: dict[str, int]
+    lowest_priority: int
+
+
 class SlotBusy(RuntimeError):
     """``claim`` for a slot that is still bound: unbind or release it first."""
 
@@ -247,13 +270,16 @@ class FairDispatch:
         self._push(keys=[n.fair_index, n.fair_message(job.job_id), n.fair_seq(job.model)],
                    args=[job.job_id, json.dumps(to_json(job)), json.dumps(entry), arrival_key(arrival)])
 
-    def claim(self, model: str, worker: str, slot: str) -> GenerateJob | None:
+    def claim(self, model: str, worker: str, slot: str, beyond: SeatsHeld | None = None) -> GenerateJob | None:
         """The next job of ``model`` in the fleet order, bound to ``slot`` and charged to its tenant; None when
-        nothing waits.  ``worker`` names the claimer (for logs; the binding is the slot's)."""
+        nothing waits.  ``worker`` names the claimer (for logs; the binding is the slot's).  With ``beyond`` (the
+        worker has no free seat): only a job that may take a running job's seat (``_CLAIM``), or None."""
         n = self.names
+        over = "" if beyond is None else json.dumps(
+            {"held": beyond.held, "seats": beyond.seats, "lowest": beyond.lowest_priority})
         try:
             raw = self._claim(keys=[n.vtc(model), n.tenant_weights, n.fair_index, n.slot(slot)],
-                              args=[n.fair_prefix(model), slot, self._job_prefix, self._message_prefix])
+                              args=[n.fair_prefix(model), slot, self._job_prefix, self._message_prefix, over])
         except redis.ResponseError as e:
             if "SLOTBUSY" in str(e):
                 raise SlotBusy(f"slot {slot!r} of {worker!r} is bound to job {self.bound_job(slot)!r}") from None

@@ -1,7 +1,7 @@
 """Job records in Redis, and their state changes as atomic Lua scripts.
 
 A job is a hash (``names.job(id)``): state, priority, kind, model,
-created_at / started_at / completed_at (or failed_at, cancelled_at,
+created_at / preprocessed_at / started_at / completed_at (or failed_at, cancelled_at,
 expired_at), attempts, error, and batch fields.  Its lifecycle::
 
     queued -> in_progress -> completed | failed

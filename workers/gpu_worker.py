@@ -18,6 +18,9 @@ these, on any hosts, may consume the same model queue.
   back to its queue for a worker that has some, with nothing to claim it ends.
   The worker then holds ``max_num_seqs`` + ``LOOKAHEAD`` tasks at most, not
   ``worker_max_inflight``: the job it runs next is chosen when a seat is free.
+  With every seat taken, a token still claims a job that may take a running
+  job's seat: one of a higher band, or of a tenant holding fewer seats here
+  than its share (``fleet.policy.seat_share``); the engine preempts for it.
 - ``ProgressReporter``: every ``progress_interval_s``, a ``task-progress``
   event (tokens so far) per running task, which Flower shows as the task's
   PROGRESS state, and the same count in the job record; it also re-checks
@@ -130,7 +133,8 @@ ROOM_WAIT_S = 1.0  # how long a token waits for a free seat before it goes back 
 class Seats:
     """The engine's free seats as dispatch tokens see them: a token reserves one before it claims a job, so
     that N free seats are claimed at most N times however many tokens wait (the engine's own count only
-    moves once the claimed job is submitted).  Invariant: jobs held by the engine + reserved <= max_num_seqs."""
+    moves once the claimed job is submitted).  Invariant: jobs held by the engine + reserved <= max_num_seqs,
+    plus at most ``LOOKAHEAD`` jobs claimed beyond the seats (``claim_beyond``: each takes a running job's seat)."""
 
     def __init__(self, service: EngineService) -> None:
         self.service = service
@@ -197,28 +201,45 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             return wait_for_original(token.slot, bound)
         if bound is not None:  # bound by a holder that is gone (its restore did not release it): back in line
             d.fair.release(token.slot)
-        if not d.seats.reserve(d.room_wait_s):
-            # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent before this
-            # one is acknowledged: a kill in between leaves two tokens for one job, and the spare finds nothing.
-            # Not Reject(requeue=True): Celery logs each with a traceback, and a full worker hands on several a second.
-            send_dispatch_token(self.app, token.model, token.priority)  # a fresh slot: never two tokens on one
-            return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
-        try:
-            job = d.fair.claim(service.engine.model_name, self.request.hostname, token.slot)
-        except BaseException:
-            d.seats.unreserve()
-            raise
+        job, reserved = claim_beyond(token, self.request.hostname), False
         if job is None:
-            d.seats.unreserve()
-            return {"slot": token.slot, "job_id": None, "skipped": "no job waiting"}
+            if not d.seats.reserve(d.room_wait_s):
+                job = claim_beyond(token, self.request.hostname)
+                if job is None:
+                    # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent
+                    # before this one is acknowledged: a kill in between leaves two tokens for one job, and the
+                    # spare finds nothing.  Not Reject(requeue=True): Celery logs each with a traceback, and a
+                    # full worker hands on several a second.
+                    send_dispatch_token(self.app, token.model, token.priority)  # a fresh slot: never two on one
+                    return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
+            else:
+                reserved = True
+                try:
+                    job = d.fair.claim(service.engine.model_name, self.request.hostname, token.slot)
+                except BaseException:
+                    d.seats.unreserve()
+                    raise
+                if job is None:
+                    d.seats.unreserve()
+                    return {"slot": token.slot, "job_id": None, "skipped": "no job waiting"}
         report_bound(self, job.job_id)
         running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
         try:
-            return run_bound(self, job, token.slot)
+            return run_bound(self, job, token.slot, reserved)
         finally:
             if running.get(job.job_id) == token.slot:
                 del running[job.job_id]
             d.seats.freed()
+
+    def claim_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
+        """With every seat taken: a job that may take a running job's seat (higher band, or a tenant below its
+        share: the engine then preempts; ``fleet.policy.seat_share``), or None."""
+        if service.free_seats() - d.seats.reserved > 0 or service.free_seats() <= -LOOKAHEAD:
+            return None  # a seat is free (claim it the usual way), or enough jobs already wait for one
+        held = service.seats_held()
+        if held is None:
+            return None
+        return d.fair.claim(service.engine.model_name, worker, token.slot, held)
 
     def wait_for_original(slot: str, job_id: str) -> dict:
         """No second run: this copy of the token ends as the running one does (handed back with it on a drain)."""
@@ -229,14 +250,15 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                 raise Reject("worker shutting down", requeue=True)
         return {"slot": slot, "job_id": job_id, "skipped": "already running on this worker"}
 
-    def run_bound(task, job: GenerateJob, slot: str) -> dict:
+    def run_bound(task, job: GenerateJob, slot: str, reserved: bool) -> dict:
         try:
             handle, weights = start(job, task.request, service, store, names)
         except JobNotCompleted:
             end_bound(job, slot, 0)
             raise
         finally:
-            d.seats.unreserve()
+            if reserved:
+                d.seats.unreserve()
         handle.done.wait()
         if handle.duplicate:  # already running here under another token (a restore released it): ends with it
             if handle.original is None or not handle.original.requeue:

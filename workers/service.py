@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ import torch
 from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.scheduling import DEFAULT_TENANT
+from pagedq.store.dispatch import SeatsHeld
 from pagedq.store.registry import ModelInfo, register_model
 from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.detokenizer import IncrementalDetokenizer
@@ -194,6 +197,17 @@ class EngineService:
         if self._stopping.is_set() or self.engine is None:
             return 0
         return self.engine.engine.config.max_num_seqs - len(self.handles)
+
+    def seats_held(self) -> SeatsHeld | None:
+        """The engine's seats and how many of its jobs each tenant holds, for a claim beyond the seats
+        (``FairDispatch.claim``); None while the worker drains."""
+        if self._stopping.is_set() or self.engine is None:
+            return None
+        with self._lock:
+            jobs = [h.job for h in self.handles.values()]
+        held = Counter(j.meta.tenant or DEFAULT_TENANT for j in jobs)
+        return SeatsHeld(self.engine.engine.config.max_num_seqs, dict(held),
+                         min((int(j.priority) for j in jobs), default=0))
 
     def drain(self, timeout_s: float) -> None:
         """Take no new jobs; let running ones finish for up to ``timeout_s``, then ``shutdown``."""

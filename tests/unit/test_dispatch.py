@@ -13,8 +13,8 @@ from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.config.scheduling import SchedulingMeta
-from pagedq.fleet.policy import FairQueue, VirtualTokenCounters
-from pagedq.store.dispatch import FairDispatch, SlotBusy
+from pagedq.fleet.policy import FairQueue, VirtualTokenCounters, below_share
+from pagedq.store.dispatch import FairDispatch, SeatsHeld, SlotBusy
 
 MODEL = "test/fair-model"
 
@@ -104,6 +104,39 @@ def test_claim_order_is_the_fleet_order_on_random_workloads(redis, names, dispat
     assert dispatch.claim(MODEL, "w1", "empty") is None
     assert dispatch.waiting_by_tenant(MODEL) == {}
     assert dispatch.counters(MODEL) == {t: c for t, c in oracle.counters.counters.items()}
+
+
+def test_a_claim_beyond_the_seats_takes_only_what_may_take_a_seat(redis, names, dispatch):
+    """A worker with every seat taken claims only a job of the highest band waiting, and only if that band
+    outranks a running job or its tenant holds fewer seats than its share (``seat_share``); the choice is
+    ``FairQueue.peek`` with the same filter.  Random workloads, checked claim by claim against the oracle."""
+    tenants = [f"t{i}-{uuid.uuid4().hex[:4]}" for i in range(random.randint(2, 4))]
+    bands = random.sample(range(10), 2)
+    oracle: FairQueue[str] = FairQueue(VirtualTokenCounters())
+    jobs: dict[str, GenerateJob] = {}
+    outcomes = {"any": 0, "below share": 0, "none": 0}
+    for step in range(200):
+        if random.random() < 0.5 or not len(oracle):
+            job = _job(_random_meta(tenants, bands))
+            jobs[job.job_id] = job
+            _create_records(redis, names, [job])
+            dispatch.push(job)
+            oracle.push(job.job_id, job.meta)
+            continue
+        seats = random.randint(2, 12)
+        held = {t: n for t in random.sample(tenants, random.randint(1, len(tenants)))
+                if (n := random.randint(0, seats)) > 0}
+        lowest = random.choice(bands)
+        top = max(j.meta.priority for j in jobs.values() if j.job_id in oracle)
+        want = oracle.peek() if top > lowest else oracle.peek(below_share(held, seats))
+        got = dispatch.claim(MODEL, "w", f"s{step}", SeatsHeld(seats, held, lowest))
+        assert (got.job_id if got else None) == want, (step, held, seats, lowest)
+        outcomes["none" if want is None else "any" if top > lowest else "below share"] += 1
+        if got is not None:
+            oracle.remove(want)
+            oracle.counters.charge(got.meta.tenant, *_cost(got))
+    assert all(outcomes.values()), outcomes  # every case was exercised
+    assert dispatch.waiting(MODEL) == len(oracle)
 
 
 def test_strict_priority_then_least_served_tenant(redis, names, dispatch):

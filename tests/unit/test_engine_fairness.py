@@ -114,3 +114,54 @@ def test_fcfs_is_arrival_order_whatever_the_tenant_or_priority():
     for s in jobs:
         sched.add(s)
     assert [s.request_id for s in run(sched)] == [s.request_id for s in jobs]
+
+
+def step(sched: Scheduler):
+    out = sched.schedule()
+    sampled = [s for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens]
+    sched.update_from_output(StepResult(out, sampled, SamplerOutput([1] * len(sampled), [None] * len(sampled))))
+    return out
+
+
+def test_a_tenant_below_its_seat_share_takes_a_seat_from_the_most_seated_tenant():
+    """Every seat is held by one tenant's flood: another tenant's jobs are seated at the next step, each in place
+    of one flood sequence, up to its share of the seats (half, with two tenants); beyond it they wait."""
+    seats = random.randint(6, 12)
+    sched = make_scheduler(seats=seats)
+    flood = [seq(f"f{i}", "flood", max_tokens=500) for i in range(3 * seats)]
+    for s in flood:
+        sched.add(s)
+    for _ in range(3):
+        step(sched)
+    assert [s.tenant for s in sched.running] == ["flood"] * seats
+    chat = [seq(f"c{i}", "chat", max_tokens=500) for i in range(seats)]
+    for s in chat:
+        sched.add(s)
+    out = step(sched)
+    seated = [s for s, _ in out.scheduled if s.tenant == "chat"]
+    assert len(seated) == seats // 2, "chat gets its share at once"
+    assert sched.stats.preemptions == seats // 2, "one flood sequence out per chat sequence in"
+    assert len(sched.running) == seats
+    for _ in range(5):  # no more swaps while each holds its share
+        step(sched)
+    assert sched.stats.preemptions == seats // 2
+    assert sum(s.tenant == "chat" for s in sched.running) == seats // 2
+
+
+def test_no_seat_is_taken_across_a_higher_band_or_by_a_tenant_at_its_share():
+    sched = make_scheduler(seats=4)
+    high = [seq(f"h{i}", "a", priority=7, max_tokens=500) for i in range(4)]
+    for s in high:
+        sched.add(s)
+    step(sched)
+    lower = seq("low", "b", priority=3, max_tokens=5)
+    sched.add(lower)
+    for _ in range(3):
+        step(sched)
+    assert lower not in sched.running and sched.stats.preemptions == 0, "a lower band takes no seat"
+    fcfs = make_scheduler(seats=2, policy="fcfs")
+    for s in [seq(f"x{i}", "x", max_tokens=500) for i in range(2)] + [seq("y", "y", max_tokens=5)]:
+        fcfs.add(s)
+    for _ in range(3):
+        step(fcfs)
+    assert [s.tenant for s in fcfs.running] == ["x", "x"] and fcfs.stats.preemptions == 0

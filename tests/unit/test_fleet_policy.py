@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pagedq.config.scheduling import SchedulingMeta
-from pagedq.fleet.policy import FairQueue, VirtualTokenCounters
+from pagedq.fleet.policy import FairQueue, VirtualTokenCounters, below_share, seat_share
 
 
 def _random_jobs(n: int, tenants: list[str], priorities: list[int]) -> dict[int, SchedulingMeta]:
@@ -107,3 +107,13 @@ def test_meta_round_trips_through_its_dict():
                           deadline=random.uniform(1, 9), arrival=random.uniform(1, 9))
     assert SchedulingMeta.from_dict(meta.to_dict()) == meta
     assert SchedulingMeta.from_dict({"deadline": ""}).deadline is None
+
+
+def test_seat_share_splits_a_workers_seats_among_the_tenants_holding_some():
+    seats = random.randint(8, 64)
+    held = {"a": seats - 3, "b": 3, "gone": 0}
+    assert seat_share(held, "a", seats) == seats // 2
+    assert seat_share(held, "c", seats) == seats // 3  # a newcomer counts itself
+    below = below_share(held, seats)
+    assert below("b") and below("c") and not below("a")
+    assert seat_share({}, "a", 1) == 1 and below_share({"a": 1}, 1)("b") is False

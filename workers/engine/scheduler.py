@@ -18,7 +18,10 @@ fleet order (``pagedq.fleet.policy.FairQueue``, docs/queue.md "Which job
 next"): strict priority; within a priority, the tenant with the least weighted
 service (virtual token counters charged here with the prompt tokens computed
 and the output tokens generated); within a tenant, earliest start deadline,
-then arrival.  Under ``fcfs`` it is arrival order.  Among running sequences
+then arrival.  When every seat is taken, a waiting sequence of a tenant
+holding fewer seats than its share takes the seat of a sequence of the
+most-seated tenant (``fleet.policy.seat_share``; the fair dispatcher claims
+such a job beyond the worker's seats).  Under ``fcfs`` it is arrival order.  Among running sequences
 (who is preempted first) urgency is ``(priority desc, arrival asc)``, or
 arrival under ``fcfs``.
 
@@ -33,11 +36,11 @@ across the micro-batches.
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pagedq.config.scheduling import SchedulingMeta
-from pagedq.fleet.policy import FairQueue, VirtualTokenCounters
+from pagedq.fleet.policy import FairQueue, VirtualTokenCounters, below_share, seat_share
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import StepResult
 from pagedq.workers.engine.sequence import Sequence, SequenceStatus
@@ -193,7 +196,9 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and not out.preempted:
             seq = self.waiting.peek()
             if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, out):
-                break
+                seq = self._seat_below_share(planned, out)
+                if seq is None:
+                    break
             n = self._admit(seq, budget)
             while n is None and self._make_room(seq, planned, out):
                 n = self._admit(seq, budget)  # the victim's blocks may have been our prefix
@@ -243,10 +248,32 @@ class Scheduler:
         victim = self._least_urgent_idle() if self.policy == "priority" else None
         if victim is None or victim.priority >= seq.priority:
             return False
+        self._swap_out(victim, planned, out)
+        return True
+
+    def _seat_below_share(self, planned: dict[int, int], out: SchedulerOutput) -> Sequence | None:
+        """Every seat is taken: the next waiting sequence (highest band) of a tenant holding fewer seats than its
+        share (``fleet.policy.seat_share``), for which an idle sequence of the most-seated tenant above its share
+        in that band or below is preempted; None if there is no such pair (or under ``fcfs``)."""
+        if self.policy != "priority":
+            return None
+        held = Counter(s.tenant for s in self.running)
+        seq = self.waiting.peek(below_share(held, self.max_num_seqs))
+        if seq is None:
+            return None
+        share = seat_share(held, seq.tenant, self.max_num_seqs)
+        idle = [s for s in reversed(self.running)  # least urgent first
+                if id(s) not in self.busy and s.priority <= seq.priority and held[s.tenant] > share]
+        if not idle:
+            return None
+        most = max(held[s.tenant] for s in idle)
+        self._swap_out(next(s for s in idle if held[s.tenant] == most), planned, out)
+        return seq
+
+    def _swap_out(self, victim: Sequence, planned: dict[int, int], out: SchedulerOutput) -> None:
         planned.pop(id(victim), None)
         self._preempt(victim, out)
-        out.preempted.remove(victim)  # a priority swap, not a shortage: admission continues
-        return True
+        out.preempted.remove(victim)  # a swap, not a shortage: admission continues
 
     def _record_kv_usage(self, planned: dict[int, int]) -> None:
         """Slots held by running sequences' blocks vs the tokens in them once this batch is written."""
