@@ -348,8 +348,8 @@ class Client:
             self.r.hset(self.names.tenant_weights, mapping={t: repr(float(w)) for t, w in due.items()})
             self._weights_written.update(dict.fromkeys(due, time.monotonic()))
 
-    def _send(self, msg: PreprocessJob, priority: int) -> None:
-        send_preprocess(self.app, msg, priority)
+    def _send(self, msg: PreprocessJob, priority: int, bulk: bool = False) -> None:
+        send_preprocess(self.app, msg, priority, bulk=bulk and self.settings.fair_share)
 
     @property
     def batch_priority(self) -> int:
@@ -474,7 +474,7 @@ class Client:
                 elif cached is not None:
                     self._answer_from_cache(job_id, cached)
                 else:
-                    self._send(msgs[job_id], req.priority)
+                    self._send(msgs[job_id], req.priority, bulk=True)
                 loop.one_sent()
         except BaseException as e:  # every job written ends: those not sent fail with the reason
             error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")

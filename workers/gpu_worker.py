@@ -16,11 +16,13 @@ these, on any hosts, may consume the same model queue.
   seat, then claims the next job of the model's fair queue in fleet order
   (``store/dispatch.py``) and runs it as ``generate`` does; with no room it goes
   back to its queue for a worker that has some, with nothing to claim it ends.
-  The worker then holds ``max_num_seqs`` + ``LOOKAHEAD`` tasks at most, not
-  ``worker_max_inflight``: the job it runs next is chosen when a seat is free.
   With every seat taken, a token still claims a job that may take a running
   job's seat: one of a higher band, or of a tenant holding fewer seats here
-  than its share (``fleet.policy.seat_share``); the engine preempts for it.
+  than its share (``fleet.policy.seat_share``); the engine preempts for it,
+  and the preempted job waits in the engine for the next free seat.  The
+  worker holds ``max_num_seqs`` + ``swap_room`` (half the seats: the jobs it
+  may hold beyond its seats) + ``LOOKAHEAD`` tasks, not ``worker_max_inflight``:
+  the job it runs next is chosen when a seat is free.
 - ``ProgressReporter``: every ``progress_interval_s``, a ``task-progress``
   event (tokens so far) per running task, which Flower shows as the task's
   PROGRESS state, and the same count in the job record; it also re-checks
@@ -127,31 +129,47 @@ def start(job: GenerateJob, request, service: EngineService, store: JobStore, na
 
 
 LOOKAHEAD = 4  # dispatch tokens a worker holds beyond its engine's seats, each waiting for one to free
-ROOM_WAIT_S = 1.0  # how long a token waits for a free seat before it goes back to its queue
+ROOM_WAIT_S = 1.0  # how long a token waits for a free seat before it goes back to its queue (x waiting / LOOKAHEAD)
+
+
+def swap_room(max_num_seqs: int) -> int:
+    """Jobs a worker may hold beyond its seats, each claimed to take a running job's seat (a tenant's share is
+    at most half the seats once a second tenant holds any)."""
+    return max_num_seqs // 2
 
 
 class Seats:
     """The engine's free seats as dispatch tokens see them: a token reserves one before it claims a job, so
     that N free seats are claimed at most N times however many tokens wait (the engine's own count only
     moves once the claimed job is submitted).  Invariant: jobs held by the engine + reserved <= max_num_seqs,
-    plus at most ``LOOKAHEAD`` jobs claimed beyond the seats (``claim_beyond``: each takes a running job's seat)."""
+    plus at most ``swap_room`` jobs claimed beyond the seats (``claim_beyond``: each takes a running job's seat).
+
+    Tokens waiting for a seat time out, together, about ``LOOKAHEAD`` times per ``timeout_s`` however many
+    wait (each waits ``timeout_s`` x waiting / ``LOOKAHEAD``): each time-out looks for a job that may take a
+    seat, then hands its token on, so a full worker neither churns its tokens nor stops looking."""
 
     def __init__(self, service: EngineService) -> None:
         self.service = service
         self.reserved = 0
+        self.waiting = 0  # tokens inside reserve()
         self._cond = threading.Condition()
 
     def reserve(self, timeout_s: float) -> bool:
-        """Take a free seat, waiting up to ``timeout_s`` for one; False if none freed (or the worker drains)."""
-        deadline = time.monotonic() + timeout_s
+        """Take a free seat, waiting for one (``timeout_s``, scaled as the class says); False if none freed (or
+        the worker drains)."""
         with self._cond:
-            while self.service.free_seats() - self.reserved <= 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.05))  # woken when a job ends; the poll covers the engine's own ends
-            self.reserved += 1
-            return True
+            self.waiting += 1
+            try:
+                deadline = time.monotonic() + timeout_s * max(1.0, self.waiting / LOOKAHEAD)
+                while self.service.free_seats() - self.reserved <= 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.05))  # woken when a job ends; the poll covers the engine's own ends
+                self.reserved += 1
+                return True
+            finally:
+                self.waiting -= 1
 
     def unreserve(self) -> None:
         """The seat was used (its job is in the engine now) or not needed (nothing to claim)."""
@@ -234,7 +252,8 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
     def claim_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
         """With every seat taken: a job that may take a running job's seat (higher band, or a tenant below its
         share: the engine then preempts; ``fleet.policy.seat_share``), or None."""
-        if service.free_seats() - d.seats.reserved > 0 or service.free_seats() <= -LOOKAHEAD:
+        free = service.free_seats()
+        if free - d.seats.reserved > 0 or free <= -swap_room(service.engine.engine.config.max_num_seqs):
             return None  # a seat is free (claim it the usual way), or enough jobs already wait for one
         held = service.seats_held()
         if held is None:
@@ -451,10 +470,11 @@ def thread_budget(settings: Settings) -> ThreadBudget | None:
 
 
 def inflight(settings: Settings) -> int:
-    """Tasks one GPU worker holds at once: ``worker_max_inflight``; with fair dispatch no more than its seats plus
-    a look-ahead, so the rest of the backlog stays in the fair queue, where the next job is chosen."""
+    """Tasks one GPU worker holds at once: ``worker_max_inflight``; with fair dispatch its seats, the jobs it may
+    hold beyond them and a look-ahead, so the rest of the backlog stays in the fair queue, where the next job is
+    chosen."""
     if settings.fair_share:
-        return min(settings.worker_max_inflight, settings.max_num_seqs + LOOKAHEAD)
+        return settings.max_num_seqs + swap_room(settings.max_num_seqs) + LOOKAHEAD
     return settings.worker_max_inflight
 
 

@@ -1,10 +1,11 @@
 """Iteration-level scheduling: which tokens of which sequences run in the next step.
 
 ``schedule()`` plans one step (one micro-batch): it first gives each running
-sequence its next tokens (one for a decode, a chunk for an unfinished
-prefill), most urgent first, then admits waiting sequences while the token
-budget and seat count allow; a prompt longer than what is left of the budget
-is prefilled in chunks over several steps.  When the KV pool runs dry the
+sequence that decodes its next token, most urgent first, then admits waiting
+sequences while the token budget and seat count allow, then gives the
+running sequences still prefilling a chunk each with what is left (so a short
+prompt just seated is not stuck behind long ones); a prompt longer than what
+is left of the budget is prefilled in chunks over several steps.  When the KV pool runs dry the
 least urgent running sequence is preempted: its blocks are freed and it waits
 to be recomputed.
 
@@ -151,8 +152,9 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)
 
-    def _least_urgent_idle(self) -> Sequence | None:
-        return next((s for s in reversed(self.running) if id(s) not in self.busy), None)
+    def _least_urgent_idle(self, exclude: dict[int, int] | None = None) -> Sequence | None:
+        return next((s for s in reversed(self.running) if id(s) not in self.busy and id(s) not in (exclude or {})),
+                    None)
 
     def abandon(self, sched: SchedulerOutput) -> list[Sequence]:
         """A planned micro-batch that never ran: its sequences are idle again, their tokens still to compute."""
@@ -172,25 +174,9 @@ class Scheduler:
         seats = max_running or len(self.running)  # no cap unless asked
         planned: dict[int, int] = {}  # id(seq) -> tokens this step
 
-        # 1. Running sequences, most urgent first; preempt from the least urgent end when blocks run out.
-        i = 0
-        while i < len(self.running) and budget > 0 and len(planned) < seats:
-            seq = self.running[i]
-            if id(seq) in self.busy:
-                i += 1
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.allocate(seq, n):
-                victim = self._least_urgent_idle()  # never None: seq itself is idle
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                planned[id(seq)] = n
-                budget -= n
-                i += 1
-                continue
-            break
+        # 1. Running sequences' decodes (a token each), most urgent first.
+        self._schedule_running(planned, out, seats, decodes=True)
+        budget -= sum(planned.values())
 
         # 2. Waiting sequences, unless this step already had to preempt.
         while len(self.waiting) and budget > 0 and not out.preempted:
@@ -217,10 +203,34 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self.urgency)
             planned[id(seq)] = n
 
+        # 3. Running sequences' unfinished prefills, most urgent first, with what is left: a sequence seated
+        #    this step (a short chat prompt beside another tenant's long ones) does not wait behind them.
+        self._schedule_running(planned, out, seats, decodes=False)
+
         out.scheduled = [(s, planned[id(s)]) for s in self.running if id(s) in planned]
         self.busy.update(planned)
         self._record_kv_usage(planned)
         return out
+
+    def _schedule_running(self, planned: dict[int, int], out: SchedulerOutput, seats: int, decodes: bool) -> None:
+        """Plan the idle running sequences' next tokens: those decoding, or those still prefilling (a chunk each).
+        When blocks run out, preempt from the least urgent end (never a sequence already planned this step)."""
+        budget = self.max_num_batched_tokens - sum(planned.values())
+        todo = [s for s in self.running if id(s) not in self.busy and id(s) not in planned
+                and (s.num_tokens - s.num_computed_tokens == 1) == decodes]
+        for seq in todo:
+            if budget <= 0 or len(planned) >= seats:
+                return
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, n):
+                victim = self._least_urgent_idle(exclude=planned) or seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    return
+            planned[id(seq)] = n
+            budget -= n
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
         """One suspect of a failed step, alone (nothing else runs until it is cleared or has failed)."""
