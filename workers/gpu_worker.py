@@ -152,6 +152,7 @@ class Seats:
         self.service = service
         self.reserved = 0
         self.waiting = 0  # tokens inside reserve()
+        self.beyond = threading.Lock()  # held from a claim beyond the seats until its job is in the engine
         self._cond = threading.Condition()
 
     def reserve(self, timeout_s: float) -> bool:
@@ -219,10 +220,10 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             return wait_for_original(token.slot, bound)
         if bound is not None:  # bound by a holder that is gone (its restore did not release it): back in line
             d.fair.release(token.slot)
-        job, reserved = claim_beyond(token, self.request.hostname), False
+        job, reserved = take_beyond(token, self.request.hostname), False
         if job is None:
             if not d.seats.reserve(d.room_wait_s):
-                job = claim_beyond(token, self.request.hostname)
+                job = take_beyond(token, self.request.hostname)
                 if job is None:
                     # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent
                     # before this one is acknowledged: a kill in between leaves two tokens for one job, and the
@@ -248,6 +249,19 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             if running.get(job.job_id) == token.slot:
                 del running[job.job_id]
             d.seats.freed()
+
+    def take_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
+        """``claim_beyond``, one at a time: with a job it returns holding ``seats.beyond``, which ``run_bound``
+        releases once the job is in the engine, so the next claim beyond the seats counts it."""
+        d.seats.beyond.acquire()
+        try:
+            job = claim_beyond(token, worker)
+        except BaseException:
+            d.seats.beyond.release()
+            raise
+        if job is None:
+            d.seats.beyond.release()
+        return job
 
     def claim_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
         """With every seat taken: a job that may take a running job's seat (higher band, or a tenant below its
@@ -278,6 +292,8 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
         finally:
             if reserved:
                 d.seats.unreserve()
+            else:
+                d.seats.beyond.release()
         handle.done.wait()
         if handle.duplicate:  # already running here under another token (a restore released it): ends with it
             if handle.original is None or not handle.original.requeue:

@@ -54,11 +54,17 @@ def gpu_workers(stack) -> list:
     return [c for c in stack.children if c.role == "gpu"]
 
 
-def hold_both_seats(client: Client) -> list[str]:
-    """Two long jobs that take the engine's two seats (running, not merely claimed)."""
-    blockers = [client.submit(prompt=f"A very long story {i}:", max_tokens=1500, priority=9, **GREEDY)
-                for i in range(2)]
-    wait_until(lambda: all(int(client.status(b).completion_tokens or 0) > 0 for b in blockers), TIMEOUT,
+def blocker_tenants(settings: Settings, stack) -> tuple[Client, Client]:
+    """Two tenants of their own for the blockers: the tenants under test are charged nothing for them."""
+    return tenant_client(settings, stack, "blocker-a"), tenant_client(settings, stack, "blocker-b")
+
+
+def hold_both_seats(*owners: Client) -> list[str]:
+    """Two long jobs that take the engine's two seats (running, not merely claimed), one per owner: two tenants
+    holding one seat each are both at their share, so no tenant may take a seat from them (``seat_share``)."""
+    blockers = [owner.submit(prompt=f"A very long story {i}:", max_tokens=1500, priority=9, **GREEDY)
+                for i, owner in enumerate(owners * (2 // len(owners)))]
+    wait_until(lambda: all(int(owners[0].status(b).completion_tokens or 0) > 0 for b in blockers), TIMEOUT,
                what="the blockers to run")
     return blockers
 
@@ -76,8 +82,8 @@ def test_strict_priority_across_tenants_when_a_seat_frees(settings, stack, clien
     """3 tenants x 3 priorities wait while the seats are taken; freed one at a time, every job of a higher band
     starts before any job of a lower band, whichever tenant submitted it and in whatever order."""
     fair = FairDispatch(client.r, client.names)
-    blockers = hold_both_seats(client)
     tenants = [tenant_client(settings, stack, name) for name in ("ta", "tb", "tc")]
+    blockers = hold_both_seats(*blocker_tenants(settings, stack))
     plan = [(c, p) for c in tenants for p in (1, 5, 9)]
     random.shuffle(plan)  # arrival order must not matter
     jobs = {c.submit(prompt=f"Tell me about {random.randrange(10**6)}.", max_tokens=3, priority=p, **GREEDY): p
@@ -100,8 +106,8 @@ def test_a_flooding_tenant_does_not_starve_another(settings, stack, client):
     after the seat frees, not after A's 40 (arrival order would run all of A's first).  Then A's jobs still
     waiting are cancelled: each leaves the fair queue at once and ends cancelled, and no token runs it."""
     fair = FairDispatch(client.r, client.names)
-    blockers = hold_both_seats(client)
     flood, other = tenant_client(settings, stack, "flood"), tenant_client(settings, stack, "other")
+    blockers = hold_both_seats(*blocker_tenants(settings, stack))
     prompt = f"Say something about the number {random.randrange(10**6)}."  # one cost for every job
     a = [flood.submit(prompt=prompt, max_tokens=2, **GREEDY) for _ in range(40)]
     wait_all_waiting(client, fair, a)
@@ -127,6 +133,29 @@ def test_a_flooding_tenant_does_not_starve_another(settings, stack, client):
     assert never_started >= len(waiting) - 1, "a job cancelled while it waits is not run (one may race a claim)"
     flood.close()
     other.close()
+
+
+def test_a_tenant_below_its_share_takes_a_seat_from_a_tenant_holding_all(settings, stack, client):
+    """One tenant's two long jobs hold both seats; another tenant's job runs to the end at once, in place of one
+    of them (preempted, resumed afterwards), not after them; a third job of the same tenant waits (at its share)."""
+    owner, newcomer = tenant_client(settings, stack, "owner"), tenant_client(settings, stack, "newcomer")
+    blockers = hold_both_seats(owner)
+    quick = newcomer.submit(prompt=f"Name a colour {random.randrange(10**6)}.", max_tokens=4, priority=9, **GREEDY)
+    assert newcomer.result(quick, timeout=TIMEOUT)["usage"]["completion_tokens"] == 4
+    assert all(client.status(b).state == "in_progress" for b in blockers), "ran beside the blockers, not after"
+    held = [newcomer.submit(prompt=f"Count to {i}.", max_tokens=400, priority=9, **GREEDY) for i in range(2)]
+    wait_until(lambda: client.status(held[0]).started_at is not None or client.status(held[1]).started_at
+               is not None, TIMEOUT, what="one of the newcomer's jobs to take a seat")
+    time.sleep(2)
+    assert sum(client.status(j).started_at is not None for j in held) == 1, "one seat of two is its share"
+    for job in held:
+        newcomer.cancel(job)
+    for b in blockers:
+        owner.cancel(b)
+    for job in [*held, *blockers]:
+        wait_until(lambda j=job: client.status(j).done, TIMEOUT, what="every job ended")
+    owner.close()
+    newcomer.close()
 
 
 def test_flower_shows_the_token_and_the_job_it_bound(settings, stack, client, tmp_path):
