@@ -97,7 +97,8 @@ class Settings(BaseSettings):
     # --- pipeline ----------------------------------------------------------
     result_ttl_s: int = Field(24 * 3600, ge=1)
     default_priority: int = Field(5, ge=0, le=9)
-    worker_max_inflight: int = Field(256, ge=1, description="generate tasks one GPU worker holds at once")
+    worker_max_inflight: int = Field(256, ge=1, description="generate tasks one GPU worker holds at once (arrival "
+                                     "order; with fair dispatch a worker holds max_num_seqs x 1.5 + 4)")
     result_cache: bool = True
     result_cache_ttl_s: int = Field(3600, ge=1)
     result_cache_max_bytes: int = Field(64 << 20, ge=0)

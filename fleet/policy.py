@@ -15,8 +15,8 @@ The order among the waiting jobs of one model (DESIGN.md, "Fleet scheduling"):
 3. **Within a tenant, earliest start deadline, then arrival.**
 
 Seats: when every seat of a worker is taken, a tenant holding fewer of them
-than its share (``seat_share``: the seats split evenly among the tenants
-holding some and itself) may still take one, in place of a sequence of the
+than its share (``seat_share``: the seats split by weight among the
+tenants holding some and itself) may still take one, in place of a sequence of the
 most-seated tenant of its band (preempted, recomputed later from the prefix
 cache).  Without it, a tenant that arrives after another's flood filled every
 seat waits until the flood's running jobs end, however low its counter.
@@ -83,15 +83,18 @@ class VirtualTokenCounters:
             self.counters[tenant] = max(self.get(tenant), min(others))
 
 
-def seat_share(held: Mapping[str, int], tenant: str, seats: int) -> int:
-    """``tenant``'s share of one worker's ``seats``: split evenly among the tenants holding some and ``tenant``."""
-    tenants = {t for t, n in held.items() if n > 0} | {tenant}
-    return seats // len(tenants)
+def seat_share(held: Mapping[str, int], tenant: str, seats: int,
+               weight: Callable[[str], float] = lambda _: 1.0, joining: str | None = None) -> int:
+    """``tenant``'s share of one worker's ``seats``: split by weight among the tenants holding some, ``tenant``
+    and ``joining`` (a tenant about to take a seat; rounded down)."""
+    tenants = {t for t, n in held.items() if n > 0} | {tenant} | ({joining} if joining else set())
+    return int(seats * weight(tenant) / sum(weight(t) for t in tenants) + 1e-9)
 
 
-def below_share(held: Mapping[str, int], seats: int) -> Callable[[str], bool]:
+def below_share(held: Mapping[str, int], seats: int,
+                weight: Callable[[str], float] = lambda _: 1.0) -> Callable[[str], bool]:
     """Whether a tenant holds fewer seats than its share (it may take one when all are taken)."""
-    return lambda tenant: held.get(tenant, 0) < seat_share(held, tenant, seats)
+    return lambda tenant: held.get(tenant, 0) < seat_share(held, tenant, seats, weight)
 
 
 class FairQueue(Generic[K]):

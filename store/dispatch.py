@@ -93,18 +93,23 @@ return 1
 # "seats": n, "lowest": lowest running priority}.  Returns the claimed job's message, false when nothing waits,
 # an error when the slot is bound already.  A job found ended, cancelling or gone is dropped (index entry and
 # message) and skipped.  Beyond the seats only the highest band with a job waiting is looked at: any tenant
-# if it outranks a running job, else the tenants below their seat share (``fleet.policy.seat_share``).
+# if it outranks a running job, else the tenants below their weighted seat share (``fleet.policy.seat_share``).
 _CLAIM = _LIB + """
 if redis.call('EXISTS', KEYS[4]) == 1 then return redis.error_reply('SLOTBUSY ' .. ARGV[2]) end
 local prefix = ARGV[1]
 local over = nil
 if ARGV[5] ~= '' then over = cjson.decode(ARGV[5]) end
 local function score(s) if s == 'inf' or s == '+inf' then return math.huge end return tonumber(s) end
+local function weight(t)
+  local w = tonumber(redis.call('HGET', KEYS[2], t) or '1')
+  if w == nil or w <= 0 then return 1 end
+  return w
+end
 local function may_take(p, t)
   if over == nil or p > tonumber(over.lowest) then return true end
-  local n = 1
-  for h, c in pairs(over.held) do if h ~= t and tonumber(c) > 0 then n = n + 1 end end
-  return tonumber(over.held[t] or 0) < math.floor(tonumber(over.seats) / n)
+  local total = weight(t)
+  for h, c in pairs(over.held) do if h ~= t and tonumber(c) > 0 then total = total + weight(h) end end
+  return tonumber(over.held[t] or 0) < math.floor(tonumber(over.seats) * weight(t) / total + 1e-9)
 end
 for p = 9, 0, -1 do
   local tkey = prefix .. 'tenants:' .. p

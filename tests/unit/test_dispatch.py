@@ -108,11 +108,13 @@ def test_claim_order_is_the_fleet_order_on_random_workloads(redis, names, dispat
 
 def test_a_claim_beyond_the_seats_takes_only_what_may_take_a_seat(redis, names, dispatch):
     """A worker with every seat taken claims only a job of the highest band waiting, and only if that band
-    outranks a running job or its tenant holds fewer seats than its share (``seat_share``); the choice is
+    outranks a running job or its tenant holds fewer seats than its weighted share (``seat_share``); the choice is
     ``FairQueue.peek`` with the same filter.  Random workloads, checked claim by claim against the oracle."""
     tenants = [f"t{i}-{uuid.uuid4().hex[:4]}" for i in range(random.randint(2, 4))]
     bands = random.sample(range(10), 2)
-    oracle: FairQueue[str] = FairQueue(VirtualTokenCounters())
+    weights = {t: random.choice([1.0, 2.0, 0.5, 3.0]) for t in tenants[1:]}  # the first: no weight (1)
+    redis.hset(names.tenant_weights, mapping={t: str(w) for t, w in weights.items()})
+    oracle: FairQueue[str] = FairQueue(VirtualTokenCounters(weights=weights))
     jobs: dict[str, GenerateJob] = {}
     outcomes = {"any": 0, "below share": 0, "none": 0}
     for step in range(200):
@@ -128,7 +130,7 @@ def test_a_claim_beyond_the_seats_takes_only_what_may_take_a_seat(redis, names, 
                 if (n := random.randint(0, seats)) > 0}
         lowest = random.choice(bands)
         top = max(j.meta.priority for j in jobs.values() if j.job_id in oracle)
-        want = oracle.peek() if top > lowest else oracle.peek(below_share(held, seats))
+        want = oracle.peek() if top > lowest else oracle.peek(below_share(held, seats, oracle.counters.weight))
         got = dispatch.claim(MODEL, "w", f"s{step}", SeatsHeld(seats, held, lowest))
         assert (got.job_id if got else None) == want, (step, held, seats, lowest)
         outcomes["none" if want is None else "any" if top > lowest else "below share"] += 1

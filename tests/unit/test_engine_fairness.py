@@ -165,3 +165,17 @@ def test_no_seat_is_taken_across_a_higher_band_or_by_a_tenant_at_its_share():
     for _ in range(3):
         step(fcfs)
     assert [s.tenant for s in fcfs.running] == ["x", "x"] and fcfs.stats.preemptions == 0
+
+
+def test_seat_shares_follow_the_weights():
+    """Tenant b (weight 1) holds all 12 seats; tenant a (weight 2) arrives with more jobs than seats: it is
+    seated up to 2/3 of them at once (8), each in place of one of b's."""
+    sched = make_scheduler(seats=12, weights={"a": 2.0, "b": 1.0})
+    for s in [seq(f"b{i}", "b", max_tokens=500) for i in range(20)]:
+        sched.add(s)
+    step(sched)
+    for s in [seq(f"a{i}", "a", max_tokens=500) for i in range(12)]:
+        sched.add(s)
+    step(sched)
+    assert sorted(s.tenant for s in sched.running) == ["a"] * 8 + ["b"] * 4
+    assert sched.stats.preemptions == 8

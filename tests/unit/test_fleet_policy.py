@@ -117,3 +117,5 @@ def test_seat_share_splits_a_workers_seats_among_the_tenants_holding_some():
     below = below_share(held, seats)
     assert below("b") and below("c") and not below("a")
     assert seat_share({}, "a", 1) == 1 and below_share({"a": 1}, 1)("b") is False
+    weights = {"a": 2.0, "b": 1.0}.get
+    assert seat_share({"a": 10}, "b", 30, weights) == 10 and seat_share({"b": 10}, "a", 30, weights) == 20

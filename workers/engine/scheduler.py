@@ -268,12 +268,13 @@ class Scheduler:
         if self.policy != "priority":
             return None
         held = Counter(s.tenant for s in self.running)
-        seq = self.waiting.peek(below_share(held, self.max_num_seqs))
+        weight = self.counters.weight
+        seq = self.waiting.peek(below_share(held, self.max_num_seqs, weight))
         if seq is None:
             return None
-        share = seat_share(held, seq.tenant, self.max_num_seqs)
         idle = [s for s in reversed(self.running)  # least urgent first
-                if id(s) not in self.busy and s.priority <= seq.priority and held[s.tenant] > share]
+                if id(s) not in self.busy and s.priority <= seq.priority
+                and held[s.tenant] > seat_share(held, s.tenant, self.max_num_seqs, weight, joining=seq.tenant)]
         if not idle:
             return None
         most = max(held[s.tenant] for s in idle)
