@@ -164,7 +164,7 @@ class Seats:
                 deadline = time.monotonic() + timeout_s * max(1.0, self.waiting / LOOKAHEAD)
                 while self.service.free_seats() - self.reserved <= 0:
                     left = deadline - time.monotonic()
-                    if left <= 0:
+                    if left <= 0 or self.service.draining:
                         return False
                     self._cond.wait(min(left, 0.05))  # woken when a job ends; the poll covers the engine's own ends
                 self.reserved += 1

@@ -190,6 +190,11 @@ class EngineService:
         with self._lock:
             return list(self.handles.values())
 
+    @property
+    def draining(self) -> bool:
+        """The worker takes no new jobs (``drain``, ``shutdown``)."""
+        return self._stopping.is_set()
+
     def free_seats(self) -> int:
         """Jobs the engine could take now without any waiting: ``max_num_seqs`` less the jobs it holds
         (running or waiting); 0 while the worker drains.  Cheap (no lock, no engine call): fair dispatch
