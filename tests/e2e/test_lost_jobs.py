@@ -212,9 +212,9 @@ def test_a_batch_slower_to_send_than_the_grace_has_none_of_its_jobs_resent(redis
     with make_client(redis_url, send_grace_s=0.6) as client:
         real_send = client._send
 
-        def slow_send(msg, priority):  # a long send loop: 50,000 lines, or a slow link
+        def slow_send(msg, priority, **how):  # a long send loop: 50,000 lines, or a slow link
             time.sleep(0.1)
-            real_send(msg, priority)
+            real_send(msg, priority, **how)
 
         client._send = slow_send
         n = random.randint(20, 30)  # ~2-3 s of sending: several graces
@@ -258,9 +258,9 @@ def test_jobs_whose_messages_vanished_with_the_last_writes_of_the_aof_are_sent_a
             cut: list[int] = []
             real_send = client._send
 
-            def send_after_the_cut(msg, priority):  # everything from here on is in the lost last second
+            def send_after_the_cut(msg, priority, **how):  # everything from here on is in the lost last second
                 cut.append(aof.stat().st_size)
-                real_send(msg, priority)
+                real_send(msg, priority, **how)
 
             client._send = send_after_the_cut
             last = submit(client)  # its record made it into the AOF; its message did not
