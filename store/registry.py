@@ -100,12 +100,18 @@ class Heartbeat(threading.Thread):
     def __init__(self, r: redis.Redis, key: str, fields: dict, ttl_s: int = 15) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.r, self.key, self.ttl_s = r, key, ttl_s
+        self.fields = dict(fields)  # written by every beat: a record that expired (a beat missed) comes back whole
         self._beat = r.register_script(_BEAT)
-        self.beat(fields)
+        self.beat()
 
-    def beat(self, fields: dict | None = None) -> None:
-        pairs = [x for k, v in (fields or {"updated_at": time.time()}).items() for x in (k, v)]
+    def beat(self) -> None:
+        pairs = [x for k, v in {**self.fields, "updated_at": time.time()}.items() for x in (k, v)]
         self._beat(keys=[self.key], args=[self.ttl_s, *pairs])
+
+    def update(self, **fields) -> None:
+        """Change fields of the record (e.g. ``ready``), now and in every later beat."""
+        self.fields.update(fields)
+        self.beat()
 
     def run(self) -> None:
         while True:

@@ -35,7 +35,8 @@ def run_celery_worker(app: Celery, r: redis.Redis, record_key: str, record: dict
                       concurrency: int, hostname: str, loglevel: str = "INFO", ttl_s: int = 15) -> None:
     logging.getLogger("celery.app.trace").addFilter(_NoTracebackForRequeues())
     identity = {**process_identity(), "started_at": time.time()}
-    Heartbeat(r, record_key, {**record, **identity, "ready": 0}, ttl_s).start()
-    signals.worker_ready.connect(lambda **_: r.hset(record_key, "ready", 1), weak=False)
+    heartbeat = Heartbeat(r, record_key, {**record, **identity, "ready": 0}, ttl_s)
+    heartbeat.start()
+    signals.worker_ready.connect(lambda **_: heartbeat.update(ready=1), weak=False)
     app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues", ",".join(queues),
                      "--hostname", hostname, "--without-gossip", "--without-mingle", "--loglevel", loglevel])

@@ -213,3 +213,20 @@ def test_ending_or_discarding_a_job_removes_it_from_the_active_set_with_its_mess
     store.discard("b")
     assert redis.zcard(names.active_jobs) == 0
     assert not redis.exists(names.job_message("a")) and not redis.exists(names.job_message("b"))
+
+
+def test_a_worker_record_that_expired_comes_back_whole_with_its_ttl(redis, names):
+    """A heartbeat missed for a TTL (a stalled process) lets the record expire; the next beat writes it whole again
+    (identity, ready), never a partial record, and never one without a TTL."""
+    from pagedq.store.registry import Heartbeat
+
+    key = names.worker(f"w-{uuid.uuid4().hex[:6]}")
+    pid = str(uuid.uuid4().int % 10**6)
+    heartbeat = Heartbeat(redis, key, {"role": "gpu", "model": "m", "pid": pid, "ready": 0}, ttl_s=5)
+    heartbeat.update(ready=1)
+    redis.delete(key)  # expired
+    heartbeat.beat()
+    record = redis.hgetall(key)
+    assert {k: record[k] for k in ("role", "model", "pid", "ready")} == {"role": "gpu", "model": "m", "pid": pid,
+                                                                         "ready": "1"}
+    assert 0 < redis.ttl(key) <= 5
