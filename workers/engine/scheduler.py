@@ -272,9 +272,10 @@ class Scheduler:
         seq = self.waiting.peek(below_share(held, self.max_num_seqs, weight))
         if seq is None:
             return None
+        over = {t for t, n in held.items()  # once per tenant, not per running sequence
+                if n > seat_share(held, t, self.max_num_seqs, weight, joining=seq.tenant)}
         idle = [s for s in reversed(self.running)  # least urgent first
-                if id(s) not in self.busy and s.priority <= seq.priority
-                and held[s.tenant] > seat_share(held, s.tenant, self.max_num_seqs, weight, joining=seq.tenant)]
+                if s.tenant in over and id(s) not in self.busy and s.priority <= seq.priority]
         if not idle:
             return None
         most = max(held[s.tenant] for s in idle)
