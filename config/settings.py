@@ -146,6 +146,10 @@ class Settings(BaseSettings):
     clock_offset_s: float = Field(0, description="tests only: this process's wall clock (time.time) runs this many "
                                   "seconds ahead, as on a host whose clock is off; leases never depend on it")
     cpu_worker_concurrency: int = Field(1, ge=1, description="threads of a CPU (preprocess/postprocess) worker")
+    cpu_worker_nice: int = Field(10, ge=0, le=19, description="a CPU worker lowers its scheduling priority by this "
+                                 "much (nice), so on a host it shares with an engine computing on the CPU, a "
+                                 "burst of preprocessing (a batch of thousands of lines) does not slow every "
+                                 "engine step; 0 keeps the priority it was started with")
     progress_interval_s: float = Field(2.0, gt=0, description="how often a GPU worker reports tokens so far")
     model_wait_s: float = Field(600, ge=0, description="how long preprocess waits for a worker to serve a model")
     broker_timeout_s: float = Field(10, gt=0, description="a producer call to Redis answers or raises "

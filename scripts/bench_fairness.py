@@ -121,9 +121,11 @@ class Answer:
     latency: float | None = None
     tokens: int | None = None
     error: str | None = None
+    first_delta_at: float | None = None  # wall clock: the worker wrote its first delta (the stream entry's id)
 
 
-def stream_one(base: str, key: str, body: dict) -> Answer:
+def stream_one(base: str, key: str, body: dict, client: Client | None = None) -> Answer:
+    """One streamed chat completion; with a ``client``, also when the worker wrote its first delta."""
     answer = Answer(sent_at=time.time())
     start = time.perf_counter()
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -148,18 +150,22 @@ def stream_one(base: str, key: str, body: dict) -> Answer:
     except httpx.HTTPError as e:
         answer.error = type(e).__name__
     answer.latency = time.perf_counter() - start
+    if client is not None and answer.job_id:  # read now: the stream is gone a minute after the job ends
+        first = client.r.xrange(client.names.stream(answer.job_id), count=1)
+        if first:
+            answer.first_delta_at = int(str(first[0][0]).partition("-")[0]) / 1000  # entry id: Redis ms clock
     return answer
 
 
 def interactive(base: str, tenant: Tenant, requests: list[BenchRequest], tokens: int, interval: float,
-                go_on) -> list[Answer]:
+                go_on, client: Client | None = None) -> list[Answer]:
     """Open loop: a request every ``interval`` s while ``go_on(sent)`` holds; every answer, once all ended."""
     futures = []
     with ThreadPoolExecutor(max_workers=256) as pool:
         next_at = time.monotonic()
         while go_on(len(futures)):
             req = requests[len(futures) % len(requests)]
-            futures.append(pool.submit(stream_one, base, tenant.key, chat_body(req, tokens)))
+            futures.append(pool.submit(stream_one, base, tenant.key, chat_body(req, tokens), client))
             next_at += interval
             time.sleep(max(0.0, next_at - time.monotonic()))
     return [f.result() for f in futures]
@@ -381,7 +387,7 @@ def stack_settings(args, scratch: Path, fair: str) -> Settings:
     if not settings.broker_url:
         settings = settings.model_copy(update={"redis_dir": scratch / "redis"})
     update: dict = {"result_cache": False}  # every request reaches the engine
-    for name in ("max_num_seqs", "worker_max_inflight"):  # smaller: a backlog forms on a slow (CPU) machine
+    for name in ("max_num_seqs", "max_num_batched_tokens", "worker_max_inflight"):  # smaller on a CPU (--help)
         if getattr(args, name):
             update[name] = getattr(args, name)
     if has_fair_setting():
@@ -404,8 +410,11 @@ def run_flood(args, base: str, client: Client, fair: str, flood: dict[Tenant, li
     print(f"[{fair}] flood submitted: {len(every)} jobs in {time.time() - t0:.1f} s", flush=True)
     stop_at = time.monotonic() + args.duration
     beside = interactive(base, chat, chat_reqs, args.interactive_tokens, args.interval,
-                         lambda sent: time.monotonic() < stop_at and not all_done(client, batches.values()))
+                         lambda sent: time.monotonic() < stop_at and not all_done(client, batches.values()), client)
     print(f"[{fair}] beside the flood: {Latency.of(beside).line()}", flush=True)
+    if args.cancel_flood:
+        for t, b in batches.items():
+            cancel_batch(base, t, b)
     wait_batches(client, list(batches.values()), stop_at + 600)
 
     tenant_of = {j: t.name for t, js in ids.items() for j in js}
@@ -423,18 +432,20 @@ def run_flood(args, base: str, client: Client, fair: str, flood: dict[Tenant, li
 
 def print_breakdown(client: Client, answers: list[Answer]) -> None:
     """Where the interactive requests' time to first token went: sent -> created (gateway) -> preprocessed (the
-    CPU worker's queue and tokenizer) -> started (the fair queue and a free seat) -> first token (the engine)."""
-    ok = [a for a in answers if a.job_id and a.ttft is not None]
+    CPU worker's queue and tokenizer) -> started (the fair queue and a free seat) -> first delta written (the
+    engine) -> first delta read by the client (the stream through Redis and the gateway)."""
+    ok = [a for a in answers if a.job_id and a.ttft is not None and a.first_delta_at is not None]
     pipe = client.r.pipeline(transaction=False)
     for a in ok:
         pipe.hmget(client.names.job(a.job_id), "created_at", "preprocessed_at", "started_at")
-    parts: dict[str, list[float]] = {"gateway": [], "preprocess": [], "to a seat": [], "engine": []}
+    parts: dict[str, list[float]] = {"gateway": [], "preprocess": [], "to a seat": [], "engine": [], "delivery": []}
     rows = []
     for a, (created, pre, started) in zip(ok, pipe.execute(), strict=True):
         if not (created and pre and started):
             continue
         c, p, s = float(created) - a.sent_at, float(pre) - a.sent_at, float(started) - a.sent_at
-        row = (c, p - c, s - p, a.ttft - s)
+        d = a.first_delta_at - a.sent_at
+        row = (c, p - c, s - p, d - s, a.ttft - d)
         rows.append((a.ttft, a.sent_at - ok[0].sent_at, row))
         for name, x in zip(parts, row, strict=True):
             parts[name].append(x)
@@ -483,7 +494,7 @@ def run_setting(args, fair: str, scratch: Path, flood_reqs, chat_reqs, weight_re
         write_keys(keys, everyone)  # the gateway would refuse the file with weights
     out: dict = {"fair": fair}
     settings = stack_settings(args, scratch, fair)
-    with Stack(settings, log_dir=scratch / "logs", loglevel="WARNING",
+    with Stack(settings, log_dir=scratch / "logs", loglevel=args.loglevel,
                env={"PAGEDQ_API_KEYS_FILE": str(keys)}) as stack, Client(settings, stack.url) as client:
         port = free_port()
         stack.add_gateway(port)
@@ -570,8 +581,17 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32,
                     help="engine batch slots (default 32: on a 2-core CPU one step of 256 sequences takes ~2 s, "
                          "longer than the 3-s time-to-first-token target by itself; 0 = the setting's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=192,
+                    help="tokens one engine step computes (default 192: a new request's first token comes at the "
+                         "end of the step after the one it arrived in, or later for a prompt longer than a step, "
+                         "and beside a flood every step is full: on a 2-core CPU ~0.2 s for 32 decodes plus "
+                         "~2.3 ms a prompt token, so 1,024 tokens take ~2.5 s a step; 0 = the setting's)")
     ap.add_argument("--worker-max-inflight", type=int, help="generate tasks a GPU worker holds (default: the "
                                                             "setting's; arrival order only)")
+    ap.add_argument("--cancel-flood", action="store_true",
+                    help="cancel the flood once the interactive tenant stops (a short look at the start of a flood; "
+                         "the flood then does not complete)")
+    ap.add_argument("--loglevel", default="WARNING", help="the stack's log level (logs under the scratch folder)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-prompt-len", type=int, default=512)
     ap.add_argument("--json", help="also write the results here")
@@ -616,7 +636,8 @@ def main() -> int:
     summary(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, default=lambda o: asdict(o), indent=1))
-    incomplete = [r["fair"] for r in results if "flood" in r and r["flood"].flood_completed != r["flood"].flood_jobs]
+    incomplete = [r["fair"] for r in results if "flood" in r and r["flood"].flood_completed != r["flood"].flood_jobs
+                  and not args.cancel_flood]
     if incomplete:
         print(f"\nnot every flood job completed with fair dispatch {incomplete}", file=sys.stderr)
     return 1 if incomplete else 0

@@ -5,7 +5,9 @@ when its slowest thread does.  If another process takes a core, one of our
 threads waits for a time slice at every region, thousands of times a step:
 two threads on two busy cores run many times slower than one thread on the
 core that is free.  So the stepping thread re-plans its thread count every
-``interval_s`` from
+``interval_s`` (half a second: a step that starts with every thread just as
+another process's burst begins runs ten times slower, so the plan must follow
+the load within a step or two) from
 
 - the cores it may run on (CPU affinity, and a cgroup v2 ``cpu.max`` quota);
 - minus the CPU time other processes used on those CPUs over the last
@@ -57,7 +59,7 @@ BUSY_CORE_SLACK = 0.25  # others using 0.75 of a core or more take it away from 
 class ThreadBudget:
     """Call ``plan()`` between engine steps; it returns the thread count to use (it re-plans every interval)."""
 
-    def __init__(self, interval_s: float = 2.0, max_threads: int | None = None) -> None:
+    def __init__(self, interval_s: float = 0.5, max_threads: int | None = None) -> None:
         self.interval_s = interval_s
         self.max_threads = max_threads or cores_allowed()
         self.threads = self.max_threads

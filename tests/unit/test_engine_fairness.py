@@ -108,6 +108,46 @@ def test_a_returning_tenant_banks_no_credit_for_its_idle_time():
     assert 3 <= after.count("b") <= 7, f"b shares from its return on, neither starved nor caught up: {after}"
 
 
+def test_one_steps_admissions_alternate_between_tenants_that_arrived_together():
+    """The start of a flood: a tenant's many jobs and another's few arrive between two steps, the counters level
+    (the newcomer was lifted to the flood's).  One step admits many; half of them must not all be the flood's
+    because the counters only moved when that step's tokens came back."""
+    sched = make_scheduler(seats=32)
+    sched.max_num_batched_tokens = 16 * 40
+    flood = [seq(f"f{i}", "flood", prompt_len=40) for i in range(30)]
+    chat = [seq(f"c{i}", "chat", prompt_len=40) for i in range(random.randint(3, 6))]
+    for s in flood + chat:  # the flood's are older: on equal counters its jobs would come first
+        sched.add(s)
+    out = sched.schedule()
+    admitted = [s.tenant for s, _ in out.scheduled]
+    assert len(admitted) == 16
+    assert admitted.count("chat") == len(chat), f"every chat job in the first step: {admitted}"
+
+
+def test_a_long_prompt_of_a_tenant_below_its_share_is_prefilled_before_the_flood_s():
+    """A chat prompt longer than one step's budget, seated beside another tenant's many long prompts still
+    prefilling: its remaining chunks come first in the next steps, not after every older flood prompt."""
+    budget = 128
+    sched = make_scheduler(seats=16)
+    sched.max_num_batched_tokens = budget
+    flood = [seq(f"f{i}", "flood", prompt_len=random.randint(300, 500), max_tokens=8) for i in range(12)]
+    for s in flood:
+        sched.add(s)
+    while len(sched.waiting):  # every flood prompt seated, each a chunk into its prefill
+        step(sched)
+    assert all(s.num_computed_tokens < s.num_prompt_tokens for s in flood)
+    chat = seq("chat", "chat", prompt_len=random.randint(3 * budget, 4 * budget), max_tokens=4)
+    sched.add(chat)
+    steps = 0
+    while chat.num_computed_tokens < chat.num_prompt_tokens:
+        want = min(chat.num_prompt_tokens - chat.num_computed_tokens, budget)
+        out = step(sched)
+        steps += 1
+        assert dict((s.request_id, n) for s, n in out.scheduled).get("chat", 0) == want, \
+            f"step {steps}: the chat's chunk first, then the flood's: {[(s.request_id, n) for s, n in out.scheduled]}"
+    assert steps <= chat.num_prompt_tokens // budget + 1
+
+
 def test_fcfs_is_arrival_order_whatever_the_tenant_or_priority():
     sched = make_scheduler(policy="fcfs")
     jobs = [seq(f"j{i}", random.choice("abc"), priority=random.randint(0, 9)) for i in range(12)]

@@ -3,11 +3,12 @@
 ``schedule()`` plans one step (one micro-batch): it first gives each running
 sequence that decodes its next token, most urgent first, then admits waiting
 sequences while the token budget and seat count allow, then gives the
-running sequences still prefilling a chunk each with what is left (so a short
-prompt just seated is not stuck behind long ones); a prompt longer than what
-is left of the budget is prefilled in chunks over several steps.  When the KV pool runs dry the
-least urgent running sequence is preempted: its blocks are freed and it waits
-to be recomputed.
+running sequences still prefilling a chunk each with what is left, the
+tenants holding the fewest seats first (so a chat prompt just seated is not
+stuck behind another tenant's long ones); a prompt longer than what is left
+of the budget is prefilled in chunks over several steps.  When the KV pool
+runs dry the least urgent running sequence is preempted: its blocks are freed
+and it waits to be recomputed.
 
 ``update_from_output()`` takes the step's sampled tokens back and does all of
 the step's bookkeeping: computed tokens, full blocks into the prefix cache,
@@ -17,12 +18,13 @@ the running set with their blocks freed.
 Which waiting sequence is admitted next, under the ``priority`` policy, is the
 fleet order (``pagedq.fleet.policy.FairQueue``, docs/queue.md "Which job
 next"): strict priority; within a priority, the tenant with the least weighted
-service (virtual token counters charged here with the prompt tokens computed
-and the output tokens generated); within a tenant, earliest start deadline,
-then arrival.  When every seat is taken, a waiting sequence of a tenant
-holding fewer seats than its share takes the seat of a sequence of the
-most-seated tenant (``fleet.policy.seat_share``; the fair dispatcher claims
-such a job beyond the worker's seats).  Under ``fcfs`` it is arrival order.  Among running sequences
+service (virtual token counters charged here with the prompt tokens of each
+planned step, so one step's admissions already see each other, and the output
+tokens generated); within a tenant, earliest start deadline, then arrival.
+When every seat is taken, a waiting sequence of a tenant holding fewer seats
+than its share takes the seat of a sequence of the most-seated tenant
+(``fleet.policy.seat_share``; the fair dispatcher claims such a job beyond the
+worker's seats).  Under ``fcfs`` it is arrival order.  Among running sequences
 (who is preempted first) urgency is ``(priority desc, arrival asc)``, or
 arrival under ``fcfs``.
 
@@ -201,10 +203,10 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self.urgency)
-            planned[id(seq)] = n
+            self._plan(seq, n, planned)
 
-        # 3. Running sequences' unfinished prefills, most urgent first, with what is left: a sequence seated
-        #    this step (a short chat prompt beside another tenant's long ones) does not wait behind them.
+        # 3. Running sequences' unfinished prefills with what is left, the tenants holding the fewest seats first
+        #    (``_prefill_order``): a chat prompt seated this step does not wait behind a flood's long ones.
         self._schedule_running(planned, out, seats, decodes=False)
 
         out.scheduled = [(s, planned[id(s)]) for s in self.running if id(s) in planned]
@@ -218,6 +220,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(planned.values())
         todo = [s for s in self.running if id(s) not in self.busy and id(s) not in planned
                 and (s.num_tokens - s.num_computed_tokens == 1) == decodes]
+        if not decodes and self.policy == "priority":
+            todo.sort(key=self._prefill_order())
         for seq in todo:
             if budget <= 0 or len(planned) >= seats:
                 return
@@ -229,8 +233,25 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     return
-            planned[id(seq)] = n
+            self._plan(seq, n, planned)
             budget -= n
+
+    def _prefill_order(self):
+        """The order in which running sequences still prefilling get their next chunk: by band, then the tenant
+        holding the fewest seats for its weight, then arrival.  A tenant below its seat share (one chat prompt of
+        470 tokens beside another tenant's twenty long prompts) finishes its prefill first, not after all of
+        theirs; tenants at their shares keep arrival order."""
+        held = Counter(s.tenant for s in self.running)
+        weight = self.counters.weight
+        return lambda s: (-s.priority, held[s.tenant] / weight(s.tenant), s.arrival)
+
+    def _plan(self, seq: Sequence, n: int, planned: dict[int, int]) -> None:
+        """``n`` tokens of ``seq`` run this step.  The prompt tokens among them are charged to its tenant now,
+        not when they come back: the next admission of this same step already sees them (charged later, a
+        tenant that wins one admission would win every admission of the step)."""
+        planned[id(seq)] = n
+        if (prompt := min(n, seq.num_prompt_tokens - seq.num_computed_tokens)) > 0:
+            self.counters.charge(seq.tenant, prompt_tokens=prompt)
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
         """One suspect of a failed step, alone (nothing else runs until it is cleared or has failed)."""
@@ -243,6 +264,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return out
+        self._plan(seq, n, {})
         out.scheduled = [(seq, n)]
         self.busy.add(id(seq))
         return out
@@ -307,10 +329,8 @@ class Scheduler:
         st = self.stats
         for seq, n in result.sched.scheduled:
             self.busy.discard(id(seq))
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                prompt = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                st.prompt_tokens_computed += prompt
-                self.counters.charge(seq.tenant, prompt_tokens=prompt)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # its tenant was charged when it was planned
+                st.prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
         finished: list[Sequence] = []
