@@ -581,11 +581,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32,
                     help="engine batch slots (default 32: on a 2-core CPU one step of 256 sequences takes ~2 s, "
                          "longer than the 3-s time-to-first-token target by itself; 0 = the setting's)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=192,
-                    help="tokens one engine step computes (default 192: a new request's first token comes at the "
-                         "end of the step after the one it arrived in, or later for a prompt longer than a step, "
-                         "and beside a flood every step is full: on a 2-core CPU ~0.2 s for 32 decodes plus "
-                         "~2.3 ms a prompt token, so 1,024 tokens take ~2.5 s a step; 0 = the setting's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="tokens one engine step computes (0 = the setting's, 1,024).  Beside a flood every step "
+                         "is full: on a 2-core CPU ~0.2 s for 32 decodes plus ~2.3 ms a prompt token, and a new "
+                         "request's first token comes at the end of the step after the one it arrived in (later "
+                         "for a prompt longer than a step).  192 was tried (2026-12-02): TTFT p99 3.52 s, but "
+                         "output tok/s with fair dispatch 87.7%% of arrival order (docs/benchmarks.md)")
     ap.add_argument("--worker-max-inflight", type=int, help="generate tasks a GPU worker holds (default: the "
                                                             "setting's; arrival order only)")
     ap.add_argument("--cancel-flood", action="store_true",
