@@ -28,7 +28,8 @@ code (checked: the child reports where ``pagedq.config`` came from).
     python scripts/bench_backlog.py --compare-rev 0b45208    # this tree vs another revision, one run
     PAGEDQ_FAIR_SHARE=true python scripts/bench_backlog.py --compare-rev 0b45208   # fair dispatch vs before
 
-PAGEDQ_* variables reach both revisions' processes (a revision ignores a setting it does not have).
+PAGEDQ_* variables reach both revisions' processes, except those REV's settings do not define (left out, and
+said so: an older revision refuses an unknown setting).
 """
 
 from __future__ import annotations
@@ -224,12 +225,27 @@ def remove_tree(tree: Path) -> None:
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
+def known_settings(environ: dict[str, str], tree: Path) -> dict[str, str]:
+    """``environ`` less the PAGEDQ_* variables REV's settings do not define (an older revision refuses an
+    unknown setting; e.g. PAGEDQ_FAIR_SHARE before fair dispatch: that revision runs arrival order)."""
+    source = (tree / "config" / "settings.py").read_text()
+    kept = {}
+    for name, value in environ.items():
+        field = name.removeprefix("PAGEDQ_").lower()
+        if name.startswith("PAGEDQ_") and f"{field}:" not in source:
+            print(f"  {name} left out: revision has no such setting", flush=True)
+            continue
+        kept[name] = value
+    return kept
+
+
 def run_queue_at(rev: str, jobs: int, timeout: float, keep: bool) -> QueueRun:
     """The queue part under REV's code, in a child process (its workers inherit its PYTHONPATH)."""
     sha, tree, pkg = revision_tree(rev)
     try:
         out = Path(tempfile.mkdtemp(prefix="pagedq-bench-backlog-")) / "queue.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))}
+        env = {**known_settings(os.environ, tree),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, __file__, "--jobs", str(jobs), "--timeout", str(timeout), "--queue-only", str(out),
                "--label", f"queue @ {sha[:9]}"]
         subprocess.run(cmd, check=True, env=env)
