@@ -110,8 +110,8 @@ def test_a_returning_tenant_banks_no_credit_for_its_idle_time():
 
 def test_one_steps_admissions_alternate_between_tenants_that_arrived_together():
     """The start of a flood: a tenant's many jobs and another's few arrive between two steps, the counters level
-    (the newcomer was lifted to the flood's).  One step admits many; half of them must not all be the flood's
-    because the counters only moved when that step's tokens came back."""
+    (the newcomer was lifted to the flood's).  One step admits many, and they must not all be the flood's (as
+    when the counters moved only once that step's tokens came back)."""
     sched = make_scheduler(seats=32)
     sched.max_num_batched_tokens = 16 * 40
     flood = [seq(f"f{i}", "flood", prompt_len=40) for i in range(30)]

@@ -49,6 +49,11 @@ from pagedq.workers.engine.executor import StepResult
 from pagedq.workers.engine.sequence import Sequence, SequenceStatus
 
 
+def _prompt_part(seq: Sequence, n: int) -> int:
+    """How many of the next ``n`` tokens of ``seq`` to compute are prompt tokens."""
+    return max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
@@ -246,11 +251,15 @@ class Scheduler:
         return lambda s: (-s.priority, held[s.tenant] / weight(s.tenant), s.arrival)
 
     def _plan(self, seq: Sequence, n: int, planned: dict[int, int]) -> None:
-        """``n`` tokens of ``seq`` run this step.  The prompt tokens among them are charged to its tenant now,
-        not when they come back: the next admission of this same step already sees them (charged later, a
-        tenant that wins one admission would win every admission of the step)."""
+        """``n`` tokens of ``seq`` run this step."""
         planned[id(seq)] = n
-        if (prompt := min(n, seq.num_prompt_tokens - seq.num_computed_tokens)) > 0:
+        self._charge_prompt(seq, n)
+
+    def _charge_prompt(self, seq: Sequence, n: int) -> None:
+        """Charge the prompt tokens among the next ``n`` of ``seq`` to its tenant as the step is planned, not when
+        they come back: the next admission of this same step already sees them (charged later, a tenant that
+        wins one admission would win every admission of the step)."""
+        if prompt := _prompt_part(seq, n):
             self.counters.charge(seq.tenant, prompt_tokens=prompt)
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
@@ -264,7 +273,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return out
-        self._plan(seq, n, {})
+        self._charge_prompt(seq, n)
         out.scheduled = [(seq, n)]
         self.busy.add(id(seq))
         return out
@@ -329,8 +338,7 @@ class Scheduler:
         st = self.stats
         for seq, n in result.sched.scheduled:
             self.busy.discard(id(seq))
-            if seq.num_computed_tokens < seq.num_prompt_tokens:  # its tenant was charged when it was planned
-                st.prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            st.prompt_tokens_computed += _prompt_part(seq, n)  # its tenant was charged when it was planned
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
         finished: list[Sequence] = []
