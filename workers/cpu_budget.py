@@ -12,7 +12,11 @@ the load within a step or two) from
 - the cores it may run on (CPU affinity, and a cgroup v2 ``cpu.max`` quota);
 - minus the CPU time other processes used on those CPUs over the last
   interval (from ``/proc/stat``, less this process's own), rounded to whole
-  cores;
+  cores.  Time of niced processes (``nice`` > 0, as CPU workers run:
+  ``PAGEDQ_CPU_WORKER_NICE``) is not counted: the kernel hands their core to
+  our thread as soon as it is runnable, so they do not hold a region up (a
+  CPU worker busy with a backlog's postprocessing otherwise kept the engine
+  on one thread for a whole run);
 
 and never fewer than one.  A quiet machine keeps every core.
 """
@@ -37,14 +41,15 @@ def cores_allowed() -> int:
     return max(1, cores)
 
 
-def _busy_ticks(cpus: set[int]) -> int:
-    """Clock ticks the CPUs ``cpus`` spent busy (user, nice, system, irq, softirq, steal) since boot."""
+def _busy_ticks(cpus: set[int], with_nice: bool) -> int:
+    """Clock ticks the CPUs ``cpus`` spent busy (user, system, irq, softirq, steal, and nice if ``with_nice``)
+    since boot."""
     total = 0
     for line in Path("/proc/stat").read_text().splitlines():
         name, *fields = line.split()
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-            total += user + nice + system + irq + softirq + steal
+            total += user + system + irq + softirq + steal + (nice if with_nice else 0)
     return total
 
 
@@ -67,11 +72,13 @@ class ThreadBudget:
         self.hz = os.sysconf("SC_CLK_TCK")
         # Only the CPUs this process may run on: other load elsewhere on a big host is not ours to yield to.
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        # A niced engine's own ticks are in the nice column: then count that column, or ours would be missed.
+        self.with_nice = os.getpriority(os.PRIO_PROCESS, 0) > 0
         self._last = self._sample()
 
     def _sample(self) -> tuple[float, int, int] | None:
         try:
-            return time.monotonic(), _busy_ticks(self.cpus), _own_ticks()
+            return time.monotonic(), _busy_ticks(self.cpus, self.with_nice), _own_ticks()
         except (OSError, ValueError, IndexError):
             return None  # no /proc: keep every core
 

@@ -97,6 +97,7 @@ class EngineService:
         self.replica_lost = False
         self._failed_steps = 0
         self.metrics = EngineMetrics()  # gpu_worker sets PrometheusEngineMetrics when metrics are on
+        self.on_seat_freed: Callable[[], None] | None = None  # called after a job leaves the engine (fair dispatch)
         self._weights_read_at = -WEIGHTS_REFRESH_S
 
     # --- called from task / control threads --------------------------------
@@ -342,6 +343,8 @@ class EngineService:
         if handle is not None:
             self.metrics.released(handle)
             handle.done.set()
+            if self.on_seat_freed is not None:
+                self.on_seat_freed()
 
     def _release_all(self) -> None:
         for handle in self.snapshot():

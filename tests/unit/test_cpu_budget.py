@@ -34,3 +34,24 @@ def test_a_busy_process_beside_us_is_seen_and_leaves_us_the_rest():
     assert first == budget.max_threads
     assert threads == max(1, budget.max_threads - int(other + 0.25))
     assert threads < budget.max_threads or budget.max_threads == 1
+
+
+def test_a_niced_busy_process_beside_us_does_not_take_a_core():
+    """A CPU worker runs niced (PAGEDQ_CPU_WORKER_NICE): the kernel gives its core to our threads whenever they
+    run, so the engine keeps every thread beside it (it fell to one for a whole backlog of short jobs)."""
+    budget = ThreadBudget(interval_s=1.0)
+    busy = subprocess.Popen([sys.executable, "-c", "import os; os.nice(10)\nwhile True: pass"])
+    try:
+        time.sleep(0.3)
+        budget._last = budget._sample()
+        time.sleep(1.1)
+        budget.plan()
+        time.sleep(1.1)
+        threads = budget.plan()
+    finally:
+        busy.kill()
+        busy.wait()
+    other = budget.last_other
+    print(f"other load {other:.2f} cores beside a niced busy loop; plan {threads} thread(s)")
+    assert other is not None and other < 0.75, "a niced busy loop is not counted as a core taken"
+    assert threads == budget.max_threads

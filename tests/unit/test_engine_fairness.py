@@ -11,7 +11,7 @@ from pagedq.fleet.policy import VirtualTokenCounters
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import SamplerOutput, StepResult
 from pagedq.workers.engine.scheduler import Scheduler
-from pagedq.workers.engine.sequence import Sequence
+from pagedq.workers.engine.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(seats: int = 1, policy: str = "priority", weights: dict | None = None) -> Scheduler:
@@ -125,27 +125,52 @@ def test_one_steps_admissions_alternate_between_tenants_that_arrived_together():
 
 
 def test_a_long_prompt_of_a_tenant_below_its_share_is_prefilled_before_the_flood_s():
-    """A chat prompt longer than one step's budget, seated beside another tenant's many long prompts still
-    prefilling: its remaining chunks come first in the next steps, not after every older flood prompt."""
+    """A chat prompt longer than one step's budget, seated beside another tenant's backlog of long prompts (one
+    of them always part-way through its prefill): each step, the chat's chunk takes all the budget the decodes
+    leave, and the flood's prefill gets what is left after it."""
     budget = 128
     sched = make_scheduler(seats=16)
     sched.max_num_batched_tokens = budget
-    flood = [seq(f"f{i}", "flood", prompt_len=random.randint(300, 500), max_tokens=8) for i in range(12)]
+    flood = [seq(f"f{i}", "flood", prompt_len=random.randint(300, 500), max_tokens=400) for i in range(24)]
     for s in flood:
         sched.add(s)
-    while len(sched.waiting):  # every flood prompt seated, each a chunk into its prefill
+    for _ in range(random.randint(5, 15)):
         step(sched)
-    assert all(s.num_computed_tokens < s.num_prompt_tokens for s in flood)
+    assert any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running), "a flood prompt mid-prefill"
     chat = seq("chat", "chat", prompt_len=random.randint(3 * budget, 4 * budget), max_tokens=4)
     sched.add(chat)
     steps = 0
     while chat.num_computed_tokens < chat.num_prompt_tokens:
-        want = min(chat.num_prompt_tokens - chat.num_computed_tokens, budget)
+        left = chat.num_prompt_tokens - chat.num_computed_tokens
+        decoding = {s.request_id for s in sched.running if s.num_tokens - s.num_computed_tokens == 1}
         out = step(sched)
         steps += 1
-        assert dict((s.request_id, n) for s, n in out.scheduled).get("chat", 0) == want, \
-            f"step {steps}: the chat's chunk first, then the flood's: {[(s.request_id, n) for s, n in out.scheduled]}"
-    assert steps <= chat.num_prompt_tokens // budget + 1
+        chunks = dict((s.request_id, n) for s, n in out.scheduled)
+        decodes = sum(n for s, n in out.scheduled if s.request_id in decoding)
+        assert chunks.get("chat", 0) == min(left, budget - decodes), \
+            f"step {steps}: the chat's chunk first, then the flood's: {sorted(chunks.items())}"
+    assert steps <= chat.num_prompt_tokens // (budget - 16) + 1
+
+
+def test_a_prompt_seated_with_part_of_its_prefill_gets_the_rest_before_its_tenant_seats_another():
+    """One tenant's backlog of prompts: the step's last prompt is seated with the budget that is left (a part of
+    its prefill).  It gets the rest at the next steps, before more of the backlog is seated; seated first, the
+    backlog took every step's budget and the part-prefilled prompts waited until it ran out."""
+    budget = random.randint(64, 160)
+    sched = make_scheduler(seats=64)
+    sched.max_num_batched_tokens = budget
+    jobs = [seq(f"j{i}", "batch", prompt_len=random.randint(10, 60), max_tokens=1) for i in range(200)]
+    for s in jobs:
+        sched.add(s)
+    for _ in range(1000):
+        part = [s for s in sched.running if 1 < s.num_tokens - s.num_computed_tokens]
+        if not len(sched.waiting) and not sched.running:
+            break
+        out = step(sched)
+        scheduled = {s.request_id for s, _ in out.scheduled}
+        assert all(s.request_id in scheduled for s in part), \
+            f"a part-prefilled prompt skipped while {len(sched.waiting)} more were seated"
+    assert all(s.status == SequenceStatus.FINISHED for s in jobs)
 
 
 def test_fcfs_is_arrival_order_whatever_the_tenant_or_priority():

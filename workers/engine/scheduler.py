@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedq.config.scheduling import SchedulingMeta
@@ -177,19 +178,42 @@ class Scheduler:
         if self.probe:
             return self._schedule_alone(self.probe[0])
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        seats = max_running or len(self.running)  # no cap unless asked
+        # No cap unless asked.  (It was the running count before admissions: a step that seated as many as were
+        # running left no seat for the running prefills.)
+        seats = max_running or self.max_num_seqs
         planned: dict[int, int] = {}  # id(seq) -> tokens this step
 
         # 1. Running sequences' decodes (a token each), most urgent first.
         self._schedule_running(planned, out, seats, decodes=True)
-        budget -= sum(planned.values())
 
-        # 2. Waiting sequences, unless this step already had to preempt.
+        # 2. Waiting sequences of tenants with no prefill under way, unless this step already had to preempt.
+        self._admit_waiting(planned, out, only=self._not_prefilling())
+
+        # 3. Running sequences' unfinished prefills with what is left, the tenants holding the fewest seats first
+        #    (``_prefill_order``): a chat prompt seated this step does not wait behind a flood's long ones.
+        self._schedule_running(planned, out, seats, decodes=False)
+
+        # 4. Waiting sequences of any tenant with what is left.  A tenant's prompt seated with part of its prefill
+        #    gets the rest (3) before that tenant's next prompt is seated: seated first, it starved while its own
+        #    tenant had a backlog (a step's last prompt waited until the backlog ended).
+        self._admit_waiting(planned, out)
+
+        out.scheduled = [(s, planned[id(s)]) for s in self.running if id(s) in planned]
+        self.busy.update(planned)
+        self._record_kv_usage(planned)
+        return out
+
+    def _admit_waiting(self, planned: dict[int, int], out: SchedulerOutput,
+                       only: Callable[[str], bool] | None = None) -> None:
+        """Seat waiting sequences in the fleet order while the step has budget (``only``: of those tenants, in
+        the highest band), unless this step already had to preempt for want of blocks."""
+        budget = self.max_num_batched_tokens - sum(planned.values())
         while len(self.waiting) and budget > 0 and not out.preempted:
-            seq = self.waiting.peek()
+            seq = self.waiting.peek(only)
+            if seq is None:
+                break
             if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, out):
-                seq = self._seat_below_share(planned, out)
+                seq = self._seat_below_share(planned, out, only)
                 if seq is None:
                     break
             n = self._admit(seq, budget)
@@ -210,14 +234,11 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self.urgency)
             self._plan(seq, n, planned)
 
-        # 3. Running sequences' unfinished prefills with what is left, the tenants holding the fewest seats first
-        #    (``_prefill_order``): a chat prompt seated this step does not wait behind a flood's long ones.
-        self._schedule_running(planned, out, seats, decodes=False)
-
-        out.scheduled = [(s, planned[id(s)]) for s in self.running if id(s) in planned]
-        self.busy.update(planned)
-        self._record_kv_usage(planned)
-        return out
+    def _not_prefilling(self) -> Callable[[str], bool]:
+        """Whether a tenant (as ``place`` names it) has no idle running sequence still prefilling."""
+        prefilling = {self.place(s).tenant for s in self.running
+                      if s.num_tokens - s.num_computed_tokens > 1 and id(s) not in self.busy}
+        return lambda tenant: tenant not in prefilling
 
     def _schedule_running(self, planned: dict[int, int], out: SchedulerOutput, seats: int, decodes: bool) -> None:
         """Plan the idle running sequences' next tokens: those decoding, or those still prefilling (a chunk each).
@@ -292,7 +313,8 @@ class Scheduler:
         self._swap_out(victim, planned, out)
         return True
 
-    def _seat_below_share(self, planned: dict[int, int], out: SchedulerOutput) -> Sequence | None:
+    def _seat_below_share(self, planned: dict[int, int], out: SchedulerOutput,
+                          only: Callable[[str], bool] | None = None) -> Sequence | None:
         """Every seat is taken: the next waiting sequence (highest band) of a tenant holding fewer seats than its
         share (``fleet.policy.seat_share``), for which an idle sequence of the most-seated tenant above its share
         in that band or below is preempted; None if there is no such pair (or under ``fcfs``)."""
@@ -300,7 +322,8 @@ class Scheduler:
             return None
         held = Counter(s.tenant for s in self.running)
         weight = self.counters.weight
-        seq = self.waiting.peek(below_share(held, self.max_num_seqs, weight))
+        below = below_share(held, self.max_num_seqs, weight)
+        seq = self.waiting.peek(below if only is None else lambda t: below(t) and only(t))
         if seq is None:
             return None
         over = {t for t, n in held.items()  # once per tenant, not per running sequence
