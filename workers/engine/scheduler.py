@@ -2,11 +2,13 @@
 
 ``schedule()`` plans one step (one micro-batch): it first gives each running
 sequence that decodes its next token, most urgent first, then admits waiting
-sequences while the token budget and seat count allow, then gives the
-running sequences still prefilling a chunk each with what is left, the
-tenants holding the fewest seats first (so a chat prompt just seated is not
-stuck behind another tenant's long ones); a prompt longer than what is left
-of the budget is prefilled in chunks over several steps.  When the KV pool
+sequences of tenants with no prefill under way while the token budget and
+seat count allow, then gives the running sequences still prefilling a chunk
+each, the tenants holding the fewest seats first (so a chat prompt just
+seated is not stuck behind another tenant's long ones), then admits waiting
+sequences of any tenant with what is left.  A prompt longer than what is left
+of the budget is prefilled in chunks over several steps, and its tenant seats
+no other prompt before it is done (else a backlog starves it).  When the KV pool
 runs dry the least urgent running sequence is preempted: its blocks are freed
 and it waits to be recomputed.
 
