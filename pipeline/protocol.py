@@ -226,6 +226,13 @@ def to_sampling_params(req: AnyRequest) -> SamplingParams:
         constraint=req.constraint)
 
 
+def request_body(req: AnyRequest) -> dict:
+    """The request as its job's message carries it and the result cache keys it: JSON values, no nulls, and
+    none of the fields that are accepted but ignored (``exclude``); ``guided_*`` already moved into
+    ``structured_outputs``, ``max_completion_tokens`` into ``max_tokens``."""
+    return req.model_dump(mode="json", exclude_none=True)
+
+
 def parse_request(url: str, body: Any) -> AnyRequest:
     """Validate a request body for an endpoint; raises RequestError naming the problem."""
     kinds = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}
@@ -239,11 +246,16 @@ def parse_request(url: str, body: Any) -> AnyRequest:
         raise validation_to_request_error(e) from None
 
 
+def _is_union_tag(part: str) -> bool:
+    """A location part naming which alternative of a union was tried (``str``, ``list[int]``...), not a field."""
+    return part in ("str", "int", "float", "bool") or part.startswith(("function-", "list[", "dict["))
+
+
 def validation_to_request_error(e: ValidationError) -> RequestError:
     errors = e.errors()
     # Of a union's alternatives, report the one whose type fit (its value was wrong), if any.
     err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
-    field = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str")))
+    field = ".".join(str(p) for p in err["loc"] if not _is_union_tag(str(p)))
     message = err["msg"].removeprefix("Value error, ")
     return RequestError(f"{field or 'request'}: {message}", field or None)
 

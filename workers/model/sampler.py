@@ -1,7 +1,10 @@
 """Turn a batch of logits into next tokens, each row with its own SamplingParams.
 
-Every transformation is a batched tensor operation over the rows that need
-it.  Random sampling draws ``argmax(probs / E)`` with ``E ~ Exp(1)`` (the
+Order: raw logprobs (reported as the model's own distribution), penalties,
+the grammar mask of constrained rows (tokens their grammar does not allow go
+to -inf), then greedy argmax or temperature / top-k / top-p / min-p sampling
+over what is left.  Every transformation is a batched tensor operation over
+the rows that need it; a batch without constrained rows never builds a mask.  Random sampling draws ``argmax(probs / E)`` with ``E ~ Exp(1)`` (the
 Gumbel-max trick in another form); a seeded request draws its noise from its
 own generator, so its tokens do not depend on its batch mates.
 """
@@ -39,6 +42,27 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tens
     logits[rows] = sub
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 ``[rows, ceil(vocab / 32)]`` (token t is bit ``t % 32`` of word ``t // 32``) -> bool ``[rows, vocab]``."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Set to -inf each constrained row's tokens that its grammar does not allow next."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for r, i in enumerate(rows):
+        seqs[i].grammar.fill(bitmask, r, seqs[i].output_token_ids)
+    allowed = unpack_bitmask(bitmask, vocab).to(logits.device)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask (to -inf) the tokens each row's top_k / top_p / min_p exclude; logits are temperature-scaled."""
     vocab = logits.shape[1]
@@ -65,6 +89,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     penalty_rows = _rows(seqs, lambda p: p.needs_penalties)
     if penalty_rows is not None:
         apply_penalties(logits, seqs, penalty_rows)
+    apply_grammar_masks(logits, seqs)
 
     tokens = logits.argmax(dim=-1)
     random_rows = _rows(seqs, lambda p: not p.greedy)
