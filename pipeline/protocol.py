@@ -27,6 +27,7 @@ from pydantic import (
 from pagedq.config.messages import RequestError, check_context
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.pipeline.structured_outputs import (
+    BOTH_SPELLINGS,
     ResponseFormat,
     StructuredOutputs,
     check_constraint,
@@ -146,6 +147,13 @@ class SamplingFields(BaseModel):
             _check_constraint(constraint, info)
         return v
 
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _one_spelling(cls, v: Any) -> Any:
+        if v is BOTH_SPELLINGS:
+            raise ValueError("give structured_outputs or the guided_* fields, not both")
+        return v
+
     @field_validator("structured_outputs")
     @classmethod
     def _structured_outputs_compile(cls, v, info: ValidationInfo):
@@ -246,6 +254,12 @@ def parse_request(url: str, body: Any) -> AnyRequest:
         raise validation_to_request_error(e) from None
 
 
+# OpenAI fields that would change the answer and that pagedq does not implement yet: a 400 naming them.
+NOT_SUPPORTED_YET = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+                     "best_of", "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
+                     "web_search_options"}
+
+
 def _is_union_tag(part: str) -> bool:
     """A location part naming which alternative of a union was tried (``str``, ``list[int]``...), not a field."""
     return part in ("str", "int", "float", "bool") or part.startswith(("function-", "list[", "dict["))
@@ -257,6 +271,8 @@ def validation_to_request_error(e: ValidationError) -> RequestError:
     err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
     field = ".".join(str(p) for p in err["loc"] if not _is_union_tag(str(p)))
     message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden" and field in NOT_SUPPORTED_YET:
+        message = "not supported yet"
     return RequestError(f"{field or 'request'}: {message}", field or None)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -33,6 +34,8 @@ MAX_SCHEMA_DEPTH = 32  # nesting of the schema's JSON (objects and arrays)
 MAX_CHOICES = 256
 MAX_REPEAT = 4096  # minLength / maxItems / ...: a grammar repeats its item that many times
 _REPEAT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[13:10:35] /project/cpp/x.cc:94: "
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -80,6 +83,9 @@ def _exactly_one(spec: StructuredOutputsSpec) -> StructuredOutputsSpec:
 StructuredOutputs = Annotated[StructuredOutputsSpec, AfterValidator(_exactly_one)]
 
 
+BOTH_SPELLINGS = object()  # put in ``structured_outputs`` when guided_* fields came with it: refused, naming it
+
+
 def move_guided_aliases(data: Any) -> Any:
     """A request body with vLLM's ``guided_*`` fields moved into ``structured_outputs`` (a new dict)."""
     if not isinstance(data, dict) or not any(k in data for k in GUIDED_ALIASES):
@@ -88,9 +94,7 @@ def move_guided_aliases(data: Any) -> Any:
     moved = {new: data.pop(old) for old, new in GUIDED_ALIASES.items() if old in data}
     moved = {k: v for k, v in moved.items() if v is not None}
     if moved:
-        given = data.get("structured_outputs")
-        # Both spellings at once: merged, so the one-of check names structured_outputs.
-        data["structured_outputs"] = {**given, **moved} if isinstance(given, dict) else moved
+        data["structured_outputs"] = moved if data.get("structured_outputs") is None else BOTH_SPELLINGS
     return data
 
 
@@ -145,7 +149,7 @@ def compile_error(kind: str, text: str) -> str | None:
             xgr.Grammar.from_ebnf(src.text)
     except Exception as e:  # noqa: BLE001 - any failure to compile is the request's fault
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return f"cannot compile the {kind}: {first_line[:300]}"
+        return f"cannot compile the {kind}: {_SOURCE_PREFIX.sub('', first_line)[:300]}"
     return None
 
 
