@@ -4,7 +4,7 @@ The request schema (``pagedq.pipeline.structured_outputs``) turns
 ``response_format`` / ``structured_outputs`` into one constraint, a JSON-safe
 pair carried by ``SamplingParams.constraint``:
 
-    ["json_schema", <the schema as canonical JSON>]
+    ["json_schema", <the schema as compact JSON, keys in their order>]
     ["json_object", ""]                      any JSON object
     ["regex", <pattern>]
     ["choice", <JSON list of strings>]       exactly one of them
@@ -37,8 +37,9 @@ class GrammarSource:
 
 
 def canonical_json(value) -> str:
-    """Sorted keys, no spaces: one text per schema, so caches keyed on it hit."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """No spaces, keys in the order given: one text per schema, so caches keyed on it hit.  Not sorted: the
+    order of a schema's ``properties`` is the order the answer writes them in."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -41,6 +41,7 @@ from pagedq.pipeline.protocol import (
     AnyRequest,
     ChatCompletionRequest,
     RequestError,
+    cache_body,
     parse_batch_line,
     parse_request,
     read_batch_file,
@@ -251,7 +252,7 @@ class Client:
         the weights that produced it.  It is looked up (``cache_key``) once a worker has registered the
         model: the key needs the fingerprint of the weights the model is served with.
         """
-        body = request_body(req)
+        body = cache_body(req)
         if not (self.settings.result_cache and req.use_result_cache and is_deterministic(body)):
             return {}, None
         body["max_tokens"] = req.max_tokens or DEFAULT_MAX_TOKENS

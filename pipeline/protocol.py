@@ -241,6 +241,15 @@ def request_body(req: AnyRequest) -> dict:
     return req.model_dump(mode="json", exclude_none=True)
 
 
+def cache_body(req: AnyRequest) -> dict:
+    """What the result cache's key hashes (``request_digest`` sorts its keys): the request body, plus the
+    constraint as text, where the order of a schema's properties (the order of the answer's) survives."""
+    body = request_body(req)
+    if req.constraint is not None:
+        body["constraint"] = req.constraint
+    return body
+
+
 def parse_request(url: str, body: Any) -> AnyRequest:
     """Validate a request body for an endpoint; raises RequestError naming the problem."""
     kinds = {CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest}

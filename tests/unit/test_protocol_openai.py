@@ -12,6 +12,7 @@ from pagedq.config.messages import GenerateJob, RequestError, parse_message, to_
 from pagedq.pipeline.protocol import (
     CHAT_URL,
     COMPLETIONS_URL,
+    cache_body,
     parse_batch_line,
     parse_request,
     request_body,
@@ -31,7 +32,7 @@ def chat(**fields):
 
 
 def canonical(schema: dict) -> str:
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 @pytest.mark.parametrize("fields, constraint", [
@@ -175,15 +176,16 @@ def test_a_batch_line_takes_the_new_fields():
 
 def test_cache_key_holds_the_constraint_not_the_ignored_fields():
     def digest(**fields) -> str:
-        return request_digest(CHAT_URL, request_body(chat(temperature=0, **fields)))
+        return request_digest(CHAT_URL, cache_body(chat(temperature=0, **fields)))
 
     plain = digest()
     as_schema = digest(response_format={"type": "json_schema", "json_schema": {"name": "P", "schema": PERSON}})
     assert len({plain, as_schema, digest(response_format={"type": "json_object"}),
                 digest(structured_outputs={"regex": "[a-z]+"}), digest(structured_outputs={"regex": "[a-y]+"})}) == 5
-    # The same constraint however it is spelled (key order, guided_* alias) is the same entry.
-    reordered = dict(reversed(list(PERSON.items())))
-    assert digest(structured_outputs={"json": PERSON}) == digest(guided_json=reordered)
+    # The guided_* alias is the same entry; properties in another order are another answer (written in order).
+    assert digest(structured_outputs={"json": PERSON}) == digest(guided_json=json.loads(json.dumps(PERSON)))
+    reordered = {**PERSON, "properties": dict(reversed(list(PERSON["properties"].items())))}
+    assert digest(structured_outputs={"json": PERSON}) != digest(structured_outputs={"json": reordered})
     assert digest(store=True, metadata={"a": "b"}, service_tier="auto", prompt_cache_key="x",
                   safety_identifier="s") == plain
 
