@@ -175,7 +175,6 @@ class SamplingFields(BaseModel):
         """``[kind, text]`` (``pagedq.config.constraints``) the output must follow, or None."""
         return constraint_of(self.response_format, self.structured_outputs)
 
-
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
@@ -203,6 +202,10 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _max_completion_tokens(self) -> ChatCompletionRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self

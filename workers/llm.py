@@ -53,14 +53,6 @@ class Generation:
     output: RequestOutput
     text: str
 
-    def new_grammar(self, constraint: list[str]) -> GrammarState:
-        """A sequence's grammar state; the backend (xgrammar, the tokenizer's vocabulary) is built on first use."""
-        with self._grammar_lock:
-            if self._grammar_backend is None:
-                self._grammar_backend = GrammarBackend(self.tokenizer, self.cfg.vocab_size,
-                                                       self.engine.config.eos_token_ids)
-        return self._grammar_backend.new_state(constraint)
-
     def __getattr__(self, name: str):
         return getattr(self.output, name)
 

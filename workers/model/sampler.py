@@ -4,7 +4,8 @@ Order: raw logprobs (reported as the model's own distribution), penalties,
 the grammar mask of constrained rows (tokens their grammar does not allow go
 to -inf), then greedy argmax or temperature / top-k / top-p / min-p sampling
 over what is left.  Every transformation is a batched tensor operation over
-the rows that need it; a batch without constrained rows never builds a mask.  Random sampling draws ``argmax(probs / E)`` with ``E ~ Exp(1)`` (the
+the rows that need it; a batch without constrained rows never builds a mask.
+Random sampling draws ``argmax(probs / E)`` with ``E ~ Exp(1)`` (the
 Gumbel-max trick in another form); a seeded request draws its noise from its
 own generator, so its tokens do not depend on its batch mates.
 """
