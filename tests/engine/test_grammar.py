@@ -18,8 +18,9 @@ from engine_fixtures import engine, fresh_engine, greedy, settings, sharegpt_pro
 from pagedq.config.constraints import canonical_json
 from pagedq.config.messages import RequestError
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.engine.sequence import Sequence
 from pagedq.workers.llm import grammar_unsupported
-from pagedq.workers.model.sampler import unpack_bitmask
+from pagedq.workers.model.sampler import apply_grammar_masks
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "mood", "pets"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -115,11 +116,26 @@ def test_constraint_refused_with_ignore_eos_uncompilable_or_distributed():
     assert grammar_unsupported(settings()) is None
 
 
-def test_bitmask_unpacks_bit_t_of_word_t_over_32():
-    mask = torch.zeros(2, 3, dtype=torch.int32)
-    mask[0, 0] = 1 << 5
-    mask[1, 2] = -(2**31)  # bit 31 of word 2: token 95
-    allowed = unpack_bitmask(mask, 90)
-    assert allowed.shape == (2, 90) and allowed[0].nonzero().flatten().tolist() == [5]
-    assert not allowed[1].any()  # token 95 is beyond the vocabulary
-    assert unpack_bitmask(mask, 96)[1].nonzero().flatten().tolist() == [95]
+class AllowOnly:
+    """A stand-in grammar that allows a fixed set of tokens (the sampler's side of the contract alone)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def fill(self, bitmask: torch.Tensor, row: int, output_token_ids: list[int]) -> None:
+        bitmask[row] = 0
+        for t in self.tokens:
+            bitmask[row, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+
+
+def test_mask_sets_exactly_the_disallowed_tokens_of_constrained_rows_to_minus_inf():
+    vocab = 100
+    logits = torch.randn(3, vocab)
+    seqs = [Sequence("a", [1], SamplingParams(), grammar=AllowOnly([5, 31, 95])), Sequence("b", [1], SamplingParams()),
+            Sequence("c", [1], SamplingParams(), grammar=AllowOnly([0]))]
+    masked = logits.clone()
+    apply_grammar_masks(masked, seqs)
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [5, 31, 95]
+    assert torch.equal(masked[0, [5, 31, 95]], logits[0, [5, 31, 95]])
+    assert torch.equal(masked[1], logits[1])  # unconstrained: untouched
+    assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [0]

@@ -43,25 +43,20 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tens
     logits[rows] = sub
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 ``[rows, ceil(vocab / 32)]`` (token t is bit ``t % 32`` of word ``t // 32``) -> bool ``[rows, vocab]``."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-
-
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Set to -inf each constrained row's tokens that its grammar does not allow next."""
+    """Set to -inf each constrained row's tokens that its grammar does not allow next (rows without a grammar
+    are not touched).  The bitmask is int32 ``[rows, ceil(vocab / 32)]``, token t = bit ``t % 32`` of word
+    ``t // 32``, filled on the CPU by each sequence's grammar and applied by xgrammar's kernel."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return
+    import xgrammar as xgr  # here: only a batch with a constrained sequence needs it
+
     vocab = logits.shape[1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-    for r, i in enumerate(rows):
-        seqs[i].grammar.fill(bitmask, r, seqs[i].output_token_ids)
-    allowed = unpack_bitmask(bitmask, vocab).to(logits.device)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    bitmask = torch.full((len(seqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for i in rows:
+        seqs[i].grammar.fill(bitmask, i, seqs[i].output_token_ids)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
