@@ -95,6 +95,8 @@ class PreprocessJob:
         messages = b.get("messages")
         text = messages[-1].get("content", "") if isinstance(messages, list) and messages and \
             isinstance(messages[-1], dict) else b.get("prompt", "")
+        if isinstance(text, list):  # content parts
+            text = "\n".join(str(p.get("text", "")) for p in text if isinstance(p, dict))
         size = f"{len(text)} chars" if isinstance(text, str) else f"{len(text)} token ids"
         return (f"job={self.job_id} model={b.get('model')} tenant={self.meta.tenant} "
                 f"priority={b.get('priority')} prompt={_preview(text) if isinstance(text, str) else '[token ids]'} ({size})")

@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
+    # ``[kind, text]`` the output must follow (``pagedq.config.constraints``), or None: free text.
+    # A list of strings, not an object, so it crosses processes as plain JSON.
+    constraint: list[str] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -41,9 +41,11 @@ from pagedq.pipeline.protocol import (
     AnyRequest,
     ChatCompletionRequest,
     RequestError,
+    cache_body,
     parse_batch_line,
     parse_request,
     read_batch_file,
+    request_body,
     to_sampling_params,
 )
 from pagedq.store.connection import BrokerUnavailable, redis_client
@@ -250,7 +252,7 @@ class Client:
         the weights that produced it.  It is looked up (``cache_key``) once a worker has registered the
         model: the key needs the fingerprint of the weights the model is served with.
         """
-        body = req.model_dump(mode="json", exclude_none=True)
+        body = cache_body(req)
         if not (self.settings.result_cache and req.use_result_cache and is_deterministic(body)):
             return {}, None
         body["max_tokens"] = req.max_tokens or DEFAULT_MAX_TOKENS
@@ -337,7 +339,7 @@ class Client:
         rec = record or self._job_record(req, None)
         meta = SchedulingMeta(tenant=rec["tenant"], priority=req.priority, deadline=rec.get("expires_at"),
                               arrival=rec["created_at"])
-        return PreprocessJob(job_id, url, req.model_dump(mode="json", exclude_none=True), meta)
+        return PreprocessJob(job_id, url, request_body(req), meta)
 
     def _write_weights(self, tenants: Iterable[str]) -> None:
         """Write the weights this producer knows for ``tenants`` into ``names.tenant_weights`` (at most every

@@ -19,12 +19,21 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from pagedq.config.messages import RequestError, check_context
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.pipeline.structured_outputs import (
+    BOTH_SPELLINGS,
+    ResponseFormat,
+    StructuredOutputs,
+    check_constraint,
+    constraint_of,
+    move_guided_aliases,
+)
 
 __all__ = ["RequestError", "check_context"]  # re-exported: defined with the other wire contracts
 
@@ -51,10 +60,48 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
 
-class ChatMessage(BaseModel):
+class TextPart(BaseModel):
+    """One part of a message's ``content`` list; only text parts are supported."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    type: str
+    text: Text
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"content parts of type {v!r} are not supported; only 'text'")
+        return v
+
+
+class ChatMessage(BaseModel):
+    """A message; ``developer`` is rendered as ``system`` unless the chat template knows it (``preprocess``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: Text | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM joins them)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+# Fields that official SDKs send and that do not change the answer: accepted, never used, never stored in
+# the job's message nor in the result cache's key (``exclude``).
+def _ignored():
+    return Field(default=None, exclude=True)
+
+
+def _check_constraint(constraint: list[str], info: ValidationInfo) -> None:
+    if info.data.get("ignore_eos"):
+        raise ValueError("cannot be combined with ignore_eos: the grammar ends the output with an "
+                         "end-of-sequence token")
+    check_constraint(constraint)
 
 
 class SamplingFields(BaseModel):
@@ -79,6 +126,54 @@ class SamplingFields(BaseModel):
     user: Text | None = None
     priority: Annotated[int, Field(ge=0, le=9)] = 5
     use_result_cache: bool = True  # opt out of the result cache
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's; guided_* fields are moved here
+    store: bool | None = _ignored()
+    metadata: dict[str, Text] | None = _ignored()
+    service_tier: Text | None = _ignored()
+    prompt_cache_key: Text | None = _ignored()
+    safety_identifier: Text | None = _ignored()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_aliases(cls, data: Any) -> Any:
+        return move_guided_aliases(data)
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_compiles(cls, v: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        constraint = constraint_of(v, None)
+        if constraint is not None:
+            _check_constraint(constraint, info)
+        return v
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _one_spelling(cls, v: Any) -> Any:
+        if v is BOTH_SPELLINGS:
+            raise ValueError("give structured_outputs or the guided_* fields, not both")
+        return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_outputs_compile(cls, v, info: ValidationInfo):
+        if v is None:
+            return v
+        fmt = info.data.get("response_format")
+        if fmt is not None and fmt.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
+        if isinstance(v.get("json"), str):
+            try:
+                json.loads(v["json"])
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError("json: not valid JSON") from None
+        _check_constraint(constraint_of(None, v), info)
+        return v
+
+    @property
+    def constraint(self) -> list[str] | None:
+        """``[kind, text]`` (``pagedq.config.constraints``) the output must follow, or None."""
+        return constraint_of(self.response_format, self.structured_outputs)
 
     @field_validator("top_k")
     @classmethod
@@ -100,11 +195,19 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # OpenAI's newer name for max_tokens; copied into max_tokens (which wins when both are given).
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _max_completion_tokens(self) -> ChatCompletionRequest:
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
         return self
 
     @property
@@ -130,7 +233,24 @@ def to_sampling_params(req: AnyRequest) -> SamplingParams:
         max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop or [],
-        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs)
+        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
+        constraint=req.constraint)
+
+
+def request_body(req: AnyRequest) -> dict:
+    """The request as its job's message carries it and the result cache keys it: JSON values, no nulls, and
+    none of the fields that are accepted but ignored (``exclude``); ``guided_*`` already moved into
+    ``structured_outputs``, ``max_completion_tokens`` into ``max_tokens``."""
+    return req.model_dump(mode="json", exclude_none=True)
+
+
+def cache_body(req: AnyRequest) -> dict:
+    """What the result cache's key hashes (``request_digest`` sorts its keys): the request body, plus the
+    constraint as text, where the order of a schema's properties (the order of the answer's) survives."""
+    body = request_body(req)
+    if req.constraint is not None:
+        body["constraint"] = req.constraint
+    return body
 
 
 def parse_request(url: str, body: Any) -> AnyRequest:
@@ -146,12 +266,25 @@ def parse_request(url: str, body: Any) -> AnyRequest:
         raise validation_to_request_error(e) from None
 
 
+# OpenAI fields that would change the answer and that pagedq does not implement yet: a 400 naming them.
+NOT_SUPPORTED_YET = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+                     "best_of", "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
+                     "web_search_options"}
+
+
+def _is_union_tag(part: str) -> bool:
+    """A location part naming which alternative of a union was tried (``str``, ``list[int]``...), not a field."""
+    return part in ("str", "int", "float", "bool") or part.startswith(("function-", "list[", "dict["))
+
+
 def validation_to_request_error(e: ValidationError) -> RequestError:
     errors = e.errors()
     # Of a union's alternatives, report the one whose type fit (its value was wrong), if any.
     err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
-    field = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str")))
+    field = ".".join(str(p) for p in err["loc"] if not _is_union_tag(str(p)))
     message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden" and field in NOT_SUPPORTED_YET:
+        message = "not supported yet"
     return RequestError(f"{field or 'request'}: {message}", field or None)
 
 

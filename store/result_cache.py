@@ -73,7 +73,8 @@ return 1
 """
 
 # Fields that change how a job is handled, not what the model answers.
-_NOT_PART_OF_THE_ANSWER = {"priority", "use_result_cache", "user", "stream", "timeout_s", "model"}
+_NOT_PART_OF_THE_ANSWER = {"priority", "use_result_cache", "user", "stream", "timeout_s", "model",
+                           "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
 
 
 def is_deterministic(body: dict) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from pagedq.kernels import get_attention_backend
 from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import Executor
 from pagedq.workers.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from pagedq.workers.grammar import GrammarBackend, GrammarState
 from pagedq.workers.model.llama import CausalLM, ModelConfig, load_weights
 from pagedq.workers.model.loader import resolve_model
 from pagedq.workers.model.runner import LocalExecutor, ModelRunner, kv_cache_block_bytes, pick_device
@@ -81,6 +83,13 @@ class LLM:
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             scheduling_policy=s.scheduling_policy, enable_prefix_caching=s.enable_prefix_caching)
         self.engine = LLMEngine(config, self._executor(source.name, weights))
+        self._grammar_backend: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
+        reason = grammar_unsupported(s)
+        if reason is None:
+            self.engine.new_grammar = self.new_grammar
+        else:
+            self.engine.no_grammar_reason = reason
         log.info("engine ready: %s (%s), %d KV blocks x %d tokens, %d stage(s) x %d shard(s)", source.name,
                  fingerprint[:12], self.engine.block_manager.num_blocks, s.block_size, s.pipeline_stages,
                  s.tensor_parallel)
@@ -99,6 +108,14 @@ class LLM:
             raise ValueError(f"kv_cache_memory={s.kv_cache_memory} holds fewer than 2 blocks")
         return LocalExecutor(ModelRunner(model, num_blocks, s.block_size, self.device, self.dtype))
 
+    def new_grammar(self, constraint: list[str]) -> GrammarState:
+        """A sequence's grammar state; the backend (xgrammar, the tokenizer's vocabulary) is built on first use."""
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                self._grammar_backend = GrammarBackend(self.tokenizer, self.cfg.vocab_size,
+                                                       self.engine.config.eos_token_ids)
+        return self._grammar_backend.new_state(constraint)
+
     def __getattr__(self, name: str):
         return getattr(self.__dict__["engine"], name)
 
@@ -109,8 +126,12 @@ class LLM:
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         detoks = {rid: IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output)
                   for rid, p in zip(ids, params_list, strict=True)}
+        # Each constrained request gets its own grammar state, compiled here before the first step (the
+        # compiler caches by schema, so a batch of one schema compiles it once).
+        grammars = [self.engine.grammar_for(p) for p in params_list]
         for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-            self.engine.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0)
+            self.engine.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0,
+                                    grammar=grammars[i])
         finished: dict[str, Generation] = {}
         while len(finished) < len(ids):
             for out in self.engine.step():
@@ -137,6 +158,15 @@ class LLM:
         fingerprint = fingerprint_weights(weights)
         self.engine.replace_executor(self._executor(self.engine.model_name, weights), fingerprint)
         return fingerprint
+
+
+def grammar_unsupported(settings: Settings) -> str | None:
+    """Why an engine built from ``settings`` cannot constrain outputs, or None when it can."""
+    if ParallelConfig(settings.pipeline_stages, settings.tensor_parallel).is_distributed:
+        # The last stage samples with its own copies of the sequences, which carry no grammar state.
+        return ("structured outputs are not supported with pipeline_stages > 1 or tensor_parallel > 1 yet; "
+                "serve the model in one process")
+    return None
 
 
 def feed(detok: IncrementalDetokenizer, out: RequestOutput, engine: LLMEngine) -> None:

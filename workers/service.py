@@ -123,6 +123,8 @@ class EngineService:
         detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
         handle = Handle(job, params, task_id, detok, stream=job.stream)
         self._read_weights()  # outside the lock: a slow broker never holds up the stepping thread
+        # Compiled on this task thread, outside the lock: a slow schema never holds up the stepping thread.
+        grammar = self.engine.grammar_for(params)
         with self._lock:
             if job.job_id in self.handles:  # a redelivered copy of a job running here: ends with the original
                 handle.duplicate = True
@@ -137,7 +139,8 @@ class EngineService:
             self.metrics.added(job.job_id, job.meta.tenant)
             self.jobs_received += 1
             try:
-                self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority, job.meta)
+                self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority, job.meta,
+                                        grammar=grammar)
             except Exception:
                 del self.handles[job.job_id]
                 raise

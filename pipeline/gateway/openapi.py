@@ -3,7 +3,7 @@
 Request bodies are validated by the one request schema (``pipeline/protocol.py``)
 and the gateway's own models, not by FastAPI, so their JSON schemas are added
 here from those same pydantic models, with the few fields the gateway reads
-itself (``timeout_s``, ``stream_options``, ``max_completion_tokens``).
+itself (``timeout_s``, ``stream_options``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ _GATEWAY_FIELDS = {
     "stream_options": {"anyOf": [{"type": "object", "additionalProperties": False,
                                   "properties": {"include_usage": {"type": "boolean"}}}, {"type": "null"}],
                        "description": "with stream: true; include_usage adds a last chunk with the usage"},
-}
-_CHAT_ONLY_FIELDS = {
-    "max_completion_tokens": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
-                                        {"type": "null"}], "description": "the same as max_tokens"},
 }
 
 ERROR_STATUSES = {400: "invalid request (the message names the field)", 401: "missing or unknown API key",
@@ -58,7 +54,7 @@ def _schema_of(model: type[BaseModel], extra: dict) -> tuple[dict, dict]:
 
 
 def request_schemas() -> dict[str, dict]:
-    chat, chat_defs = _schema_of(ChatCompletionRequest, {**_GATEWAY_FIELDS, **_CHAT_ONLY_FIELDS})
+    chat, chat_defs = _schema_of(ChatCompletionRequest, _GATEWAY_FIELDS)
     text, text_defs = _schema_of(CompletionRequest, _GATEWAY_FIELDS)
     batch, batch_defs = _schema_of(BatchCreate, {})
     job = {"title": "JobRequest", "description": "a chat (messages) or text (prompt) request to run as a job",

@@ -19,6 +19,7 @@ from engine_fixtures import NUM_PROMPTS, fresh_engine, greedy, settings, sharegp
 from engine_fixtures import engine as cached_engine
 
 from pagedq.config import Settings
+from pagedq.config.messages import RequestError
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.workers.llm import LLM
 from pagedq.workers.processes import free_port
@@ -125,6 +126,14 @@ def test_seeded_sampling_and_penalties_match_one_process(two_stages):
                              frequency_penalty=0.3, ignore_eos=True) for i in range(len(prompts))]
     expected = [o.output_token_ids for o in fresh_engine(num_threads=THREADS).generate(prompts, params)]
     assert [o.output_token_ids for o in two_stages.generate(prompts, params)] == expected
+
+
+def test_structured_outputs_refused_with_pipeline_stages(two_stages):
+    """The last stage samples from its own copies of the sequences, which carry no grammar: refused, clearly."""
+    params = SamplingParams(max_tokens=8, temperature=0, constraint=["json_object", ""])
+    with pytest.raises(RequestError, match="pipeline_stages") as e:
+        two_stages.add_request("constrained", [1, 2, 3], params)
+    assert e.value.param == "response_format" and not two_stages.has_unfinished()
 
 
 def test_abort_while_in_flight_frees_blocks_after_it_returns(two_stages):

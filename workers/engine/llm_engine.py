@@ -29,7 +29,7 @@ from pagedq.config.scheduling import SchedulingMeta
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import Executor, ReplicaLostError
 from pagedq.workers.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from pagedq.workers.engine.sequence import Sequence
+from pagedq.workers.engine.sequence import Grammar, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,10 @@ class LLMEngine:
                                    config.scheduling_policy, config.eos_token_ids, config.max_model_len)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self.requests: dict[str, Sequence] = {}
+        # Builds a sequence's grammar state from ``params.constraint`` (``workers/grammar.py``); None: this
+        # engine refuses constraints (its sampler runs in another process, see ``LLM``).
+        self.new_grammar: Callable[[list[str]], Grammar] | None = None
+        self.no_grammar_reason = "structured outputs are not available on this engine"
         self.lock = threading.Lock()  # held during a step
 
     @property
@@ -105,13 +109,34 @@ class LLMEngine:
         if need > capacity:
             raise RequestError(f"prompt + max_tokens = {need} tokens exceed the KV cache ({capacity} tokens); "
                                "raise kv_cache_memory", "max_tokens", code="context_length_exceeded")
+        if params.constraint is not None:
+            if params.ignore_eos:
+                raise RequestError("ignore_eos: cannot be combined with a structured-output constraint",
+                                   "ignore_eos")
+            if self.new_grammar is None:
+                raise RequestError(f"response_format: {self.no_grammar_reason}", "response_format")
+
+    def grammar_for(self, params: SamplingParams) -> Grammar | None:
+        """The grammar state a request needs (None without a constraint).  Compiles on the caller's thread:
+        call it before ``add_request`` from a thread that is not stepping."""
+        if params.constraint is None:
+            return None
+        if self.new_grammar is None:
+            raise RequestError(f"response_format: {self.no_grammar_reason}", "response_format")
+        try:
+            return self.new_grammar(params.constraint)
+        except Exception as e:  # noqa: BLE001 - the edge check should have caught it; still the request's fault
+            raise RequestError(f"response_format: cannot compile the {params.constraint[0]}: {e}",
+                               "response_format") from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, meta: SchedulingMeta | None = None) -> None:
+                    priority: int = 0, meta: SchedulingMeta | None = None, grammar: Grammar | None = None) -> None:
         """``meta`` (tenant, deadline) places the request among the waiting ones (``Scheduler``); ``priority``
-        is its band."""
+        is its band.  A constrained request takes ``grammar`` (``grammar_for``), or compiles it here."""
         self.validate(prompt_token_ids, params)
-        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params, priority, meta)))
+        if grammar is None:
+            grammar = self.grammar_for(params)
+        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params, priority, meta, grammar)))
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -19,9 +20,16 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
+class Grammar(Protocol):
+    """A sequence's place in its output grammar (``pagedq.workers.grammar.GrammarState``); opaque to the core."""
+
+    def fill(self, bitmask: torch.Tensor, row: int, output_token_ids: list[int]) -> None:
+        """Write into ``bitmask[row]`` the tokens allowed after ``output_token_ids``."""
+
+
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, meta: SchedulingMeta | None = None) -> None:
+                 priority: int = 0, meta: SchedulingMeta | None = None, grammar: Grammar | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
@@ -40,6 +48,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # what its step raised, when it ended with finish_reason "error"
         self.logprobs: list[dict] = []
+        self.grammar = grammar  # set when params.constraint is: the sampler masks what it does not allow
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

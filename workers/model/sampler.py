@@ -1,7 +1,11 @@
 """Turn a batch of logits into next tokens, each row with its own SamplingParams.
 
-Every transformation is a batched tensor operation over the rows that need
-it.  Random sampling draws ``argmax(probs / E)`` with ``E ~ Exp(1)`` (the
+Order: raw logprobs (reported as the model's own distribution), penalties,
+the grammar mask of constrained rows (tokens their grammar does not allow go
+to -inf), then greedy argmax or temperature / top-k / top-p / min-p sampling
+over what is left.  Every transformation is a batched tensor operation over
+the rows that need it; a batch without constrained rows never builds a mask.
+Random sampling draws ``argmax(probs / E)`` with ``E ~ Exp(1)`` (the
 Gumbel-max trick in another form); a seeded request draws its noise from its
 own generator, so its tokens do not depend on its batch mates.
 """
@@ -39,6 +43,22 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tens
     logits[rows] = sub
 
 
+def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Set to -inf each constrained row's tokens that its grammar does not allow next (rows without a grammar
+    are not touched).  The bitmask is int32 ``[rows, ceil(vocab / 32)]``, token t = bit ``t % 32`` of word
+    ``t // 32``, filled on the CPU by each sequence's grammar and applied by xgrammar's kernel."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return
+    import xgrammar as xgr  # here: only a batch with a constrained sequence needs it
+
+    vocab = logits.shape[1]
+    bitmask = torch.full((len(seqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for i in rows:
+        seqs[i].grammar.fill(bitmask, i, seqs[i].output_token_ids)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows)
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask (to -inf) the tokens each row's top_k / top_p / min_p exclude; logits are temperature-scaled."""
     vocab = logits.shape[1]
@@ -65,6 +85,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     penalty_rows = _rows(seqs, lambda p: p.needs_penalties)
     if penalty_rows is not None:
         apply_penalties(logits, seqs, penalty_rows)
+    apply_grammar_masks(logits, seqs)
 
     tokens = logits.argmax(dim=-1)
     random_rows = _rows(seqs, lambda p: not p.greedy)

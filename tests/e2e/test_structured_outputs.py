@@ -1,0 +1,203 @@
+"""Structured outputs end to end: the official ``openai`` SDK against ``pagedq serve``, the Python ``Client``,
+the Batches API and ``run-batch`` (through the queue and ``--offline``), on real workers and SmolLM2-135M.
+
+Greedy decoding; schemas are bounded (enums, maxLength, maxItems) so the model
+finishes within max_tokens.  Every answer must parse and validate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import queue_helpers
+from pydantic import BaseModel, Field
+
+from pagedq.config import Settings
+from pagedq.pipeline.local.stack import settings_env
+from pagedq.pipeline.queued_batch import run_queued
+from pagedq.workers.processes import free_port, spawn, stop
+
+TIMEOUT = 180
+CHAT = "/v1/chat/completions"
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    name: str = Field(max_length=10)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    mood: Literal["happy", "sad", "calm"]
+    pets: list[Pet] = Field(max_length=2)
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "country", "capital"],
+        "properties": {"city": {"type": "string", "maxLength": 16}, "country": {"type": "string", "maxLength": 16},
+                       "capital": {"type": "boolean"}}}
+ORDER = {"type": "object", "additionalProperties": False, "required": ["item", "size", "extras"],
+         "properties": {"item": {"enum": ["coffee", "tea", "juice"]}, "size": {"enum": ["small", "large"]},
+                        "extras": {"type": "array", "maxItems": 2,
+                                   "items": {"type": "object", "additionalProperties": False, "required": ["name"],
+                                             "properties": {"name": {"enum": ["milk", "sugar", "ice"]}}}}}}
+
+
+def schema_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def settings(redis_url) -> Settings:
+    return Settings(broker_url=redis_url, key_prefix="pso:", queue_prefix="pso.", max_num_seqs=8,
+                    kv_cache_memory="256MiB", progress_interval_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def gateway(settings, stack, tmp_path_factory) -> str:
+    """A `pagedq serve` process (no API keys file: loopback, no auth) in front of the module's workers."""
+    folder = tmp_path_factory.mktemp("gateway")
+    port = free_port()
+    env = {**os.environ, **settings_env(settings), "PAGEDQ_BROKER_URL": stack.url}
+    proc = spawn([sys.executable, "-m", "pagedq.pipeline.cli", "serve", "--port", str(port)],
+                 folder / "gateway.log", env)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, (folder / "gateway.log").read_text()
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        queue_helpers.wait_until(healthy, 60, 0.2, "the gateway to answer /health")
+        yield base
+    finally:
+        stop(proc, 30)
+
+
+def sdk(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+def test_openai_sdk_parse_returns_the_pydantic_model(gateway, settings):
+    api = sdk(gateway)
+    messages = [{"role": "developer", "content": "Reply with JSON only."},
+                {"role": "user", "content": [{"type": "text", "text": "Describe Ann, who has a cat."}], "name": "u1"}]
+    done = api.beta.chat.completions.parse(model=settings.model, messages=messages, response_format=Person,
+                                           temperature=0, max_completion_tokens=120, store=False,
+                                           metadata={"test": "parse"})
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, Person)
+    assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+
+    # The same request streamed: the deltas join to the same JSON.
+    chunks = api.chat.completions.create(model=settings.model, messages=messages, temperature=0, stream=True,
+                                         max_completion_tokens=120,
+                                         response_format=schema_format("Person", Person.model_json_schema()))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    Person.model_validate_json(text)
+
+    # A text completion with vLLM's spelling.
+    choice = api.completions.create(model=settings.model, prompt="Is water wet? Answer:", temperature=0,
+                                    max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_response_format(gateway, settings):
+    api = sdk(gateway)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=settings.model, messages=[{"role": "user", "content": "hi"}],
+                                    response_format=schema_format("Bad", {"type": "object", "properties": {
+                                        "a": {"$ref": "#/$defs/nowhere"}}}))
+    assert e.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=settings.model, messages=[{"role": "user", "content": "hi"}],
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.param == "tools"
+
+
+def test_python_client_and_the_result_cache(client, settings):
+    messages = [{"role": "user", "content": "Give a city in Italy as JSON."}]
+    job = client.submit(messages, response_format=schema_format("City", CITY), temperature=0,
+                        max_completion_tokens=80)
+    result = client.result(job, timeout=TIMEOUT)
+    jsonschema.validate(json.loads(result["choices"][0]["message"]["content"]), CITY)
+
+    def resubmitted() -> dict | None:  # the answer is filed just after it is published: ask until it is there
+        again = client.result(client.submit(messages, response_format=schema_format("City", CITY), temperature=0,
+                                            max_completion_tokens=80, store=True), timeout=TIMEOUT)
+        return again if again.get("cached") else None
+    again = queue_helpers.wait_until(resubmitted, 60, 0.2, "the answer to come from the result cache")
+    assert again["choices"] == result["choices"]
+    other = client.result(client.submit(messages, response_format={"type": "json_object"}, temperature=0,
+                                        max_completion_tokens=80), timeout=TIMEOUT)
+    assert not other.get("cached")
+    assert isinstance(json.loads(other["choices"][0]["message"]["content"]), dict)
+
+
+BATCH = [  # (custom_id, body, check of the content)
+    *[(f"person-{i}", {"messages": [{"role": "user", "content": f"Describe {name} as JSON."}],
+                       "response_format": schema_format("Person", Person.model_json_schema())},
+       lambda t: Person.model_validate_json(t)) for i, name in enumerate(["Ann", "Bob", "Carla"])],
+    *[(f"city-{i}", {"messages": [{"role": "user", "content": f"Give a city in {land} as JSON."}],
+                     "response_format": schema_format("City", CITY)},
+       lambda t: jsonschema.validate(json.loads(t), CITY)) for i, land in enumerate(["Spain", "Peru", "Japan"])],
+    *[(f"order-{i}", {"messages": [{"role": "user", "content": f"Order {what} as JSON."}],
+                      "structured_outputs": {"json": ORDER}},
+       lambda t: jsonschema.validate(json.loads(t), ORDER)) for i, what in enumerate(["a tea", "iced coffee"])],
+    ("object", {"messages": [{"role": "user", "content": "Reply with a JSON object with the keys name and age for Bob."}],
+                "response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
+    ("choice", {"messages": [{"role": "user", "content": "Is fire cold?"}], "guided_choice": ["yes", "no"]},
+     lambda t: t in ("yes", "no") or pytest.fail(t)),
+]
+
+
+def batch_lines() -> list[str]:
+    return [json.dumps({"custom_id": cid, "method": "POST", "url": CHAT,
+                        "body": {**body, "temperature": 0, "max_completion_tokens": 120}}) for cid, body, _ in BATCH]
+
+
+def check_batch_output(lines: list[dict]) -> list[str]:
+    """Every line completed, with content that parses and validates; the contents, in order."""
+    assert [x["custom_id"] for x in lines] == [cid for cid, _, _ in BATCH]
+    contents = []
+    for line, (cid, _, check) in zip(lines, BATCH, strict=True):
+        assert line["error"] is None and line["response"]["status_code"] == 200, line
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", (cid, choice)
+        check(choice["message"]["content"])
+        contents.append(choice["message"]["content"])
+    return contents
+
+
+def test_batches_api_and_run_batch_outputs_all_parse_and_validate(gateway, settings, tmp_path):
+    api = sdk(gateway)
+    data = ("\n".join(batch_lines()) + "\n").encode()
+    upload = api.files.create(file=("structured.jsonl", data), purpose="batch")
+    batch = api.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    done = queue_helpers.wait_until(
+        lambda: (b := api.batches.retrieve(batch.id)).status in ("completed", "failed", "cancelled") and b,
+        TIMEOUT * 2, 0.5, "the batch to end")
+    assert (done.status, done.request_counts.completed) == ("completed", len(BATCH))
+    via_api = check_batch_output([json.loads(x) for x in api.files.content(done.output_file_id).text.splitlines()])
+
+    (tmp_path / "in.jsonl").write_bytes(data)
+    run_queued(tmp_path / "in.jsonl", tmp_path / "queued.jsonl", settings, progress=False)
+    queued = [json.loads(x) for x in (tmp_path / "queued.jsonl").read_text().splitlines()]
+    assert check_batch_output(queued) == via_api
+
+    env = {**os.environ, **settings_env(settings), "OMP_WAIT_POLICY": "PASSIVE"}
+    subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "run-batch", "--offline", "-i",
+                    str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "offline.jsonl")], env=env, check=True,
+                   timeout=600)
+    offline = [json.loads(x) for x in (tmp_path / "offline.jsonl").read_text().splitlines()]
+    assert check_batch_output(offline) == via_api
