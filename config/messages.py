@@ -149,8 +149,17 @@ class Completion:
 _adapters: dict[type, TypeAdapter] = {}
 
 
+def adapter_for(cls: type[T]) -> TypeAdapter:
+    """The validator of a message class, built once per process (building one generates its whole schema:
+    milliseconds, which every message paid when this was a ``setdefault(cls, TypeAdapter(cls))``)."""
+    adapter = _adapters.get(cls)
+    if adapter is None:
+        adapter = _adapters[cls] = TypeAdapter(cls)
+    return adapter
+
+
 def parse_message(cls: type[T], payload: Any) -> T:
-    adapter = _adapters.setdefault(cls, TypeAdapter(cls))
+    adapter = adapter_for(cls)
     try:
         return adapter.validate_json(json.dumps(payload), strict=True)
     except ValidationError as e:

@@ -241,6 +241,18 @@ class Channel(kombu_redis.Channel):
             log.error("dropped a malformed message from %s: %s: %s", queue, type(e).__name__, e)
             raise Empty() from None
 
+    def _create_client(self, asynchronous=False):
+        """One synchronous client per connection pool, reused: kombu built a new ``redis.Redis`` (and its
+        ~170-entry callback table) for every publish, ack and lease call.  A client is thread-safe (each
+        command takes a connection from the pool); a new pool (after a broker error) gets a new client."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)
+        pool = self.pool
+        cached = getattr(self, "_sync_client", None)
+        if cached is None or cached[0] is not pool:
+            cached = self._sync_client = (pool, super()._create_client())
+        return cached[1]
+
     def full_key(self, key: str) -> str:
         """``key`` with the deployment's prefix: EVAL is not key-prefixed by kombu, so its keys are given whole."""
         return f"{self.global_keyprefix or ''}{key}"

@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -190,21 +190,39 @@ class Seats:
             self._cond.notify()
 
 
+class BoundJobs:
+    """Tokens that bound a job since the last progress report: ``ProgressReporter`` tells Flower (a
+    ``task-progress`` event each, the task's Result field naming the job) in its next buffered message.  Sent
+    by the dispatch task itself, each cost a new event dispatcher and a broker publish per job.  A token that
+    ended before the report is left out: an event after its task-succeeded would overwrite Flower's result."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, str] = {}  # task id -> job id
+
+    def add(self, task_id: str, job_id: str) -> None:
+        with self._lock:
+            self._pending[task_id] = job_id
+
+    def discard(self, task_id: str) -> None:
+        with self._lock:
+            self._pending.pop(task_id, None)
+
+    def take(self) -> list[tuple[str, str]]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return list(pending.items())
+
+
 @dataclass
 class Dispatch:
-    """What the dispatch task needs besides the engine: the fair queues and this worker's seats."""
+    """What the dispatch task needs besides the engine: the fair queues, this worker's seats, and the tokens
+    that bound a job (for Flower)."""
 
     fair: FairDispatch
     seats: Seats
     room_wait_s: float = ROOM_WAIT_S
-
-
-def report_bound(task, job_id: str) -> None:
-    """Tell Flower which job the token bound (a ``task-progress`` event: the task's Result field)."""
-    try:
-        task.send_event("task-progress", job_id=job_id, result=f"bound job {job_id}")
-    except Exception as e:  # noqa: BLE001 - an event is best effort
-        log.warning("could not report the job token %s bound: %s", task.request.id, e)
+    bound: BoundJobs = field(default_factory=BoundJobs)
 
 
 def parse_token(payload, task_id: str) -> DispatchToken:
@@ -248,14 +266,14 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                 if job is None:
                     d.seats.unreserve()
                     return {"slot": token.slot, "job_id": None, "skipped": "no job waiting"}
-        report_bound(self, job.job_id)
+        d.bound.add(self.request.id, job.job_id)  # Flower learns it from the next progress report
         running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
         try:
             return run_bound(self, job, token.slot, reserved)
         finally:
             if running.get(job.job_id) == token.slot:
                 del running[job.job_id]
-            d.seats.freed()
+            d.bound.discard(self.request.id)
 
     def take_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
         """``claim_beyond``, one at a time: with a job it returns holding ``seats.beyond``, which ``run_bound``
@@ -368,11 +386,12 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
 
 class ProgressReporter(threading.Thread):
     def __init__(self, app: Celery, service: EngineService, r: redis.Redis, names: Names, hostname: str,
-                 interval_s: float, name_jobs: bool = False) -> None:
+                 interval_s: float, name_jobs: bool = False, bound: BoundJobs | None = None) -> None:
         super().__init__(name="progress", daemon=True)
         self.app, self.service, self.r, self.names = app, service, r, names
         self.hostname, self.interval_s = hostname, interval_s
         self.name_jobs = name_jobs  # dispatch tokens name no job in their arguments: the progress line does
+        self.bound = bound or BoundJobs()
         self.reported: dict[str, int] = {}
 
     def run(self) -> None:
@@ -390,9 +409,13 @@ class ProgressReporter(threading.Thread):
     def report(self, dispatcher) -> None:
         handles = self.service.snapshot()
         self.recheck_cancels(handles)
+        just_bound = set()
+        for task_id, job_id in self.bound.take():
+            dispatcher.send("task-progress", uuid=task_id, job_id=job_id, result=f"bound job {job_id}")
+            just_bound.add(task_id)  # its token count goes in the next report, after Flower showed this one
         pipe = self.r.pipeline(transaction=False)
         for h in handles:
-            if h.num_tokens and self.reported.get(h.task_id) != h.num_tokens:
+            if h.num_tokens and h.task_id not in just_bound and self.reported.get(h.task_id) != h.num_tokens:
                 self.reported[h.task_id] = h.num_tokens
                 # Flower shows the custom state (PROGRESS) and, in the task's Result field, the count.
                 result = f"{h.num_tokens} tokens so far" + (f" (job {h.job.job_id})" if self.name_jobs else "")
@@ -519,9 +542,11 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     app = make_celery(settings, url)
     store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts, settings.send_grace_s)
     register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
-    register_dispatch(app, service, store, names, Dispatch(FairDispatch(r, names), Seats(service)))
+    dispatch = Dispatch(FairDispatch(r, names), Seats(service))
+    register_dispatch(app, service, store, names, dispatch)
     ControlListener(r, names, control.configured_secret(settings), service, hostname).start()
-    ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s, settings.fair_share).start()
+    ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s, settings.fair_share,
+                     dispatch.bound).start()
     signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
     queue = names.generate_queue(engine.model_name)
     log.info("serving %s on queue %s as %s", engine.model_name, queue, hostname)
