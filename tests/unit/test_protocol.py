@@ -11,6 +11,7 @@ from pagedq.config.messages import (
     GenerateJob,
     MalformedMessageError,
     RequestError,
+    adapter_for,
     check_context,
     parse_message,
 )
@@ -84,6 +85,21 @@ def test_generate_job_carries_typed_sampling_params_through_json():
     assert back.params == params and isinstance(back.params, SamplingParams)
     with pytest.raises(MalformedMessageError, match="params"):
         parse_message(GenerateJob, {**json.loads(json.dumps(job, default=lambda o: o.__dict__)), "params": "x"})
+
+
+def test_a_message_class_gets_one_validator_per_process(monkeypatch):
+    """Building a validator generates the class's whole schema (milliseconds); every message paid it once."""
+    import pagedq.config.messages as messages
+
+    built = []
+    real = messages.TypeAdapter
+    monkeypatch.setattr(messages, "_adapters", {})
+    monkeypatch.setattr(messages, "TypeAdapter", lambda cls: built.append(cls) or real(cls))
+    payload = json.loads(json.dumps(GenerateJob("j", "m", "text", [random.randrange(1, 999)], SamplingParams(), 1),
+                                    default=lambda o: o.__dict__))
+    for _ in range(3):
+        assert parse_message(GenerateJob, payload).job_id == "j"
+    assert built == [GenerateJob] and adapter_for(GenerateJob) is adapter_for(GenerateJob)
 
 
 def test_context_check_names_the_real_culprit():
