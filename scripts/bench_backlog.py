@@ -26,6 +26,7 @@ code (checked: the child reports where ``pagedq.config`` came from).
     python scripts/bench_backlog.py                          # 10,000 jobs
     python scripts/bench_backlog.py --jobs 300               # a quick look
     python scripts/bench_backlog.py --compare-rev 0b45208    # this tree vs another revision, one run
+    python scripts/bench_backlog.py --jobs 2000 --compare-rev 0b45208 --rounds 4   # ABBA x2: ratio per pair
     PAGEDQ_FAIR_SHARE=true python scripts/bench_backlog.py --compare-rev 0b45208   # fair dispatch vs before
 
 PAGEDQ_* variables reach both revisions' processes, except those REV's settings do not define (left out, and
@@ -38,6 +39,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -338,6 +340,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=10_000, help="one-token chat jobs (default 10,000)")
     ap.add_argument("--compare-rev", help="also run the queue part with this git revision's code")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --compare-rev: run both this many times each, in ABBA order (this tree, REV, REV, "
+                         "this tree, ...) so a drift of the machine's speed hits both; prints each pair's ratio "
+                         "and their median")
     ap.add_argument("--keep-worktree", action="store_true", help="with --compare-rev: leave the worktree in /tmp")
     ap.add_argument("--no-offline", action="store_true", help="skip run-batch --offline")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the batch")
@@ -355,13 +361,29 @@ def main() -> int:
 
     src = write_jsonl(lines, scratch / "in.jsonl")
     print(f"{args.jobs} one-token chat jobs ({src}); scratch {scratch}", flush=True)
-    runs = [run_queue(lines, args.label, scratch / "queue", args.timeout)]
-    print(f"{runs[0].label}: {runs[0].jobs_per_s:.1f} jobs/s", flush=True)
-    if args.compare_rev:
-        runs.append(run_queue_at(args.compare_rev, args.jobs, args.timeout, args.keep_worktree))
-        print(f"{runs[1].label}: {runs[1].jobs_per_s:.1f} jobs/s", flush=True)
+    runs, pairs = [], []
+    for i in range(args.rounds if args.compare_rev else 1):
+        order = ("this", "rev") if i % 2 == 0 else ("rev", "this")
+        pair = {}
+        for which in order:
+            if which == "this":
+                run = run_queue(lines, args.label, scratch / f"queue{i}", args.timeout)
+            elif args.compare_rev:
+                run = run_queue_at(args.compare_rev, args.jobs, args.timeout, args.keep_worktree)
+            else:
+                continue
+            if args.rounds > 1:
+                run.label += f" #{i + 1}"
+            print(f"{run.label}: {run.jobs_per_s:.1f} jobs/s", flush=True)
+            runs.append(run)
+            pair[which] = run
+        pairs.append(pair)
     offline = None if args.no_offline else run_offline(src, lines, scratch)
     report(runs, offline)
+    if args.compare_rev and args.rounds > 1:
+        ratios = [p["this"].jobs_per_s / p["rev"].jobs_per_s for p in pairs]
+        print("\njobs/s, this tree / REV, per round: " + ", ".join(f"{r:.1%}" for r in ratios) +
+              f"; median {statistics.median(ratios):.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "queue": [{**asdict(r), "jobs_per_s": r.jobs_per_s, "latency_s": None,
