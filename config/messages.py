@@ -65,6 +65,14 @@ def check_context(prompt_ids: list[int], max_tokens: int, max_model_len: int, vo
             code="context_length_exceeded")
 
 
+def check_logit_bias(logit_bias: dict[int, float], vocab_size: int) -> None:
+    """Raise RequestError unless every token id ``logit_bias`` names is in the vocabulary."""
+    outside = [t for t in logit_bias if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError(f"logit_bias: token ids must be in [0, {vocab_size}); {outside[0]} is not",
+                           "logit_bias")
+
+
 class JobNotCompleted(Exception):
     """Raised by a task whose job ended failed, cancelled or expired, so Celery (and Flower) records a FAILURE
     with pagedq's reason.  Tasks declare it in ``throws``: logged as one line, not as a crash."""

@@ -33,6 +33,8 @@ class SamplingParams:
     # ``[kind, text]`` the output must follow (``pagedq.config.constraints``), or None: free text.
     # A list of strings, not an object, so it crosses processes as plain JSON.
     constraint: list[str] | None = None
+    # Token id -> bias added to its logit after the penalties (OpenAI's logit_bias); ids < the vocabulary.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:

@@ -30,7 +30,7 @@ from kombu.exceptions import OperationalError
 
 from pagedq.config import Settings, get_settings
 from pagedq.config.celery_app import make_celery, send_preprocess
-from pagedq.config.messages import PreprocessJob, check_context, to_json
+from pagedq.config.messages import PreprocessJob, check_context, check_logit_bias, to_json
 from pagedq.config.names import TERMINAL_STATES, JobState, Names
 from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline.postprocess import batch_output_line
@@ -290,6 +290,7 @@ class Client:
                                    code="context_length_exceeded")
             if not isinstance(req, ChatCompletionRequest) and isinstance(req.prompt, list):
                 check_context(req.prompt, params.max_tokens, info.max_model_len, info.vocab_size)
+            check_logit_bias(params.logit_bias, info.vocab_size)
         return req
 
     # --- models and the result cache ---------------------------------------------

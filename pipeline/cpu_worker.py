@@ -39,6 +39,7 @@ from pagedq.config.messages import (
     MalformedMessageError,
     PreprocessJob,
     check_context,
+    check_logit_bias,
     parse_message,
     to_json,
 )
@@ -125,6 +126,7 @@ def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> Gene
     ids = render_prompt(tokenizers.get(req.model), req)
     params = to_sampling_params(req)
     check_context(ids, params.max_tokens, info.max_model_len, info.vocab_size)
+    check_logit_bias(params.logit_bias, info.vocab_size)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
     meta = replace(_scheduling_meta(msg, r, names), priority=req.priority)
     return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream, meta)

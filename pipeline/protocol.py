@@ -121,6 +121,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
     ignore_eos: bool = False
+    # OpenAI's: token id (a decimal string) -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: Literal[1] = 1
     stream: bool = False
     user: Text | None = None
@@ -182,6 +184,14 @@ class SamplingFields(BaseModel):
             raise ValueError("top_k must be -1 (off) or >= 1")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT):
+                raise ValueError(f"keys must be token ids (non-negative integers), not {key[:20]!r}")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
@@ -234,7 +244,7 @@ def to_sampling_params(req: AnyRequest) -> SamplingParams:
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop or [],
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
-        constraint=req.constraint)
+        constraint=req.constraint, logit_bias={int(k): b for k, b in (req.logit_bias or {}).items()})
 
 
 def request_body(req: AnyRequest) -> dict:
@@ -267,7 +277,7 @@ def parse_request(url: str, body: Any) -> AnyRequest:
 
 
 # OpenAI fields that would change the answer and that pagedq does not implement yet: a 400 naming them.
-NOT_SUPPORTED_YET = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+NOT_SUPPORTED_YET = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                      "best_of", "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
                      "web_search_options"}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -58,6 +59,26 @@ def test_penalties_match_their_definitions():
     want[5] -= 0.25 * 2 + 0.5
     want[6] -= 0.25 * 1 + 0.5
     assert torch.allclose(out[0], want)
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_batch_mates_alone():
+    eng = engine()
+    prompts = sharegpt_prompts()[:3]
+    plain_out = eng.generate(prompts, greedy(8, logprobs=0))
+    plain = [o.output_token_ids for o in plain_out]
+    banned = plain[0][0]
+    forced = random.choice([t for t in range(100, eng.cfg.vocab_size) if t not in plain[1]])
+    params = [replace(greedy(8), logit_bias={banned: -100.0}),
+              replace(greedy(8), logit_bias={forced: 100.0}, logprobs=0), greedy(8)]
+    got = eng.generate(prompts, params)
+    assert got[0].output_token_ids[0] != banned and banned not in got[0].output_token_ids
+    assert got[1].output_token_ids == [forced] * 8
+    assert got[2].output_token_ids == plain[2], "a batch mate without a bias is unchanged"
+    # logprobs stay the model's own: the forced first token is less probable than the unbiased argmax
+    assert [lp["token"][0] for lp in got[1].logprobs] == [forced] * 8
+    assert got[1].logprobs[0]["token"][1] < plain_out[1].logprobs[0]["token"][1] - 1
+    with pytest.raises(RequestError, match="logit_bias"):
+        eng.add_request("x", prompts[0], replace(greedy(4), logit_bias={eng.cfg.vocab_size: 5.0}))
 
 
 def test_degenerate_sampling_equals_greedy():

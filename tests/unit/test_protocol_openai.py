@@ -4,6 +4,7 @@ fields SDKs send by default.  No Redis, no model; xgrammar's tokenizer-free comp
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -105,11 +106,23 @@ def test_developer_role_renders_as_system_unless_the_template_knows_it():
     assert chat_messages(req, "{% if message['role'] == 'developer' %}")[0]["role"] == "developer"
 
 
+def test_logit_bias_reaches_the_sampling_params_as_token_ids():
+    from pagedq.pipeline.protocol import to_sampling_params
+
+    bias = {str(random.randrange(49152)): round(random.uniform(-100, 100), 3) for _ in range(5)}
+    params = to_sampling_params(chat(logit_bias=bias))
+    assert params.logit_bias == {int(k): v for k, v in bias.items()}
+    assert to_sampling_params(chat()).logit_bias == {}
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"n": 2}, "n"),
-    ({"logit_bias": {"42": -100}}, "logit_bias"),
+    ({"logit_bias": {"42": -101}}, "logit_bias.42"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"logit_bias": {"dog": 1}}, "logit_bias"),
+    ({"best_of": 2}, "best_of"),
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content.1.type"),

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedq.config.messages import RequestError, check_context
+from pagedq.config.messages import RequestError, check_context, check_logit_bias
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.config.scheduling import SchedulingMeta
 from pagedq.workers.engine.block_manager import BlockManager
@@ -104,6 +104,7 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request this engine cannot run."""
         check_context(prompt_token_ids, params.max_tokens, self.config.max_model_len, self.config.vocab_size)
+        check_logit_bias(params.logit_bias, self.config.vocab_size)
         need = len(prompt_token_ids) + params.max_tokens
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if need > capacity:

@@ -1,7 +1,7 @@
 """Turn a batch of logits into next tokens, each row with its own SamplingParams.
 
 Order: raw logprobs (reported as the model's own distribution), penalties,
-the grammar mask of constrained rows (tokens their grammar does not allow go
+``logit_bias``, the grammar mask of constrained rows (tokens their grammar does not allow go
 to -inf), then greedy argmax or temperature / top-k / top-p / min-p sampling
 over what is left.  Every transformation is a batched tensor operation over
 the rows that need it; a batch without constrained rows never builds a mask.
@@ -41,6 +41,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tens
     pres = torch.tensor([s.params.presence_penalty for s in picked], dtype=logits.dtype)[:, None]
     sub = sub - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
     logits[rows] = sub
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Add each row's ``logit_bias`` to its tokens' logits (ids were checked against the vocabulary)."""
+    for i, s in enumerate(seqs):
+        if s.params.logit_bias:
+            ids = torch.tensor(list(s.params.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(s.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -85,6 +94,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     penalty_rows = _rows(seqs, lambda p: p.needs_penalties)
     if penalty_rows is not None:
         apply_penalties(logits, seqs, penalty_rows)
+    apply_logit_bias(logits, seqs)
     apply_grammar_masks(logits, seqs)
 
     tokens = logits.argmax(dim=-1)
