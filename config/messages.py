@@ -120,6 +120,7 @@ class GenerateJob:
     priority: int
     stream: bool = False
     meta: SchedulingMeta = field(default_factory=SchedulingMeta)  # ``meta.priority`` equals ``priority``
+    tool_parsing: str = ""  # how the answer becomes tool calls (``pipeline/tools.py``); "": it does not
 
     def __post_init__(self) -> None:
         self.meta = _as_meta(self.meta)
@@ -148,6 +149,7 @@ class Completion:
     # The weights that produced every token (the worker's model fingerprint); "" when unknown (a Completion
     # from an older worker) or when the weights were reloaded while the job ran: such answers are not cached.
     fingerprint: str = ""
+    tool_parsing: str = ""  # the GenerateJob's
 
     def describe(self) -> str:
         return (f"job={self.request_id} model={self.model} completion_tokens={len(self.output_token_ids)} "

@@ -90,7 +90,8 @@ def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
             request_id=p.custom_id, kind=kind, model=engine.model_name, text=out.text,
             output_token_ids=out.output_token_ids, num_prompt_tokens=out.num_prompt_tokens,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason, num_cached_tokens=out.num_cached_tokens,
-            logprobs=out.logprobs, want_logprobs=p.request.num_logprobs)
+            logprobs=out.logprobs, want_logprobs=p.request.num_logprobs,
+            tool_parsing=getattr(p.request, "tool_parsing", ""))
         prepared[i] = batch_output_line(p.custom_id, build_response(completion, engine.tokenizer))
     with open(output_path, "w") as f:
         for item in prepared:

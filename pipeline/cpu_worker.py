@@ -129,7 +129,8 @@ def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> Gene
     check_logit_bias(params.logit_bias, info.vocab_size)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
     meta = replace(_scheduling_meta(msg, r, names), priority=req.priority)
-    return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream, meta)
+    parsing = req.tool_parsing if isinstance(req, ChatCompletionRequest) else ""
+    return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream, meta, parsing)
 
 
 def _scheduling_meta(msg: PreprocessJob, r, names: Names) -> SchedulingMeta:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from pagedq.config.messages import Completion
+from pagedq.pipeline.tools import parse_tool_calls
 from pagedq.store.result_cache import ResultCache
 
 __all__ = ["Completion", "batch_output_line", "build_response", "cache_answer"]
@@ -51,6 +52,12 @@ def build_response(c: Completion, tokenizer) -> dict:
                     "stop_reason": c.stop_reason}
     if c.kind == "chat":
         choice["message"] = {"role": "assistant", "content": text}
+        if c.tool_parsing:
+            content, calls = parse_tool_calls(text, c.tool_parsing)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                if c.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
         obj, prefix = "chat.completion", "chatcmpl-"
     else:
         choice["text"] = text

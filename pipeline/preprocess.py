@@ -2,27 +2,63 @@
 
 from __future__ import annotations
 
-from pagedq.pipeline.protocol import AnyRequest, ChatCompletionRequest
+from pagedq.pipeline.protocol import AnyRequest, ChatCompletionRequest, ChatMessage
+from pagedq.pipeline.tools import call_block, template_renders_tools, tools_system_prompt
+
+
+def _native(m: ChatMessage, role: str) -> dict:
+    """A message as templates that render tools read it (tool calls' arguments as values)."""
+    message: dict = {"role": role, "content": m.text}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.arguments}}
+                                 for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _hermes(m: ChatMessage, role: str) -> dict:
+    """A message in pagedq's tool format (``pipeline/tools.py``), for templates without tools."""
+    text = m.text
+    if m.tool_calls:
+        blocks = [call_block(c.function.name, c.arguments) for c in m.tool_calls]
+        text = "\n".join(([text] if text else []) + blocks)
+    if m.role == "tool":
+        role, text = "user", f"<tool_response>\n{text}\n</tool_response>"
+    message = {"role": role, "content": text}
+    if m.name is not None:
+        message["name"] = m.name
+    return message
 
 
 def chat_messages(req: ChatCompletionRequest, template: str | None) -> list[dict]:
     """The messages as chat templates read them: content as one string; ``developer`` becomes ``system``
-    unless the template mentions it (what vLLM does); ``name`` only when given."""
+    unless the template mentions it (what vLLM does); ``name`` only when given.  Tools (unless
+    ``tool_choice`` is none) go in the system message when the template does not render them itself."""
     knows_developer = "developer" in str(template or "")
-    messages = []
-    for m in req.messages:
-        role = "system" if m.role == "developer" and not knows_developer else m.role
-        message = {"role": role, "content": m.text}
-        if m.name is not None:
-            message["name"] = m.name
-        messages.append(message)
+    native = template_renders_tools(template)
+    shape = _native if native else _hermes
+    messages = [shape(m, "system" if m.role == "developer" and not knows_developer else m.role)
+                for m in req.messages]
+    if req.tool_parsing and not native:
+        prompt = tools_system_prompt(req.tools or [])
+        if messages[0]["role"] == "system":
+            messages[0]["content"] = messages[0]["content"] + "\n\n" + prompt
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
     return messages
 
 
 def render_prompt(tokenizer, req: AnyRequest) -> list[int]:
     if isinstance(req, ChatCompletionRequest):
         messages = chat_messages(req, tokenizer.chat_template)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tools = None
+        if req.tool_parsing and template_renders_tools(tokenizer.chat_template):
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if isinstance(req.prompt, list):
         return list(req.prompt)

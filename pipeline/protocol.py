@@ -34,6 +34,14 @@ from pagedq.pipeline.structured_outputs import (
     constraint_of,
     move_guided_aliases,
 )
+from pagedq.pipeline.tools import (
+    ToolCall,
+    ToolChoice,
+    Tools,
+    check_tool_choice,
+    tool_constraint,
+    tool_parsing,
+)
 
 __all__ = ["RequestError", "check_context"]  # re-exported: defined with the other wire contracts
 
@@ -76,18 +84,40 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """A message; ``developer`` is rendered as ``system`` unless the chat template knows it (``preprocess``)."""
+    """A message; ``developer`` is rendered as ``system`` unless the chat template knows it (``preprocess``).
+    ``tool_calls`` (assistant) and ``tool_call_id`` (tool) carry a tool-call round trip (``pipeline/tools.py``);
+    an assistant message with tool calls may leave ``content`` out or null."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_optional_beside_tool_calls(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") == "assistant" and data.get("tool_calls") \
+                and "content" not in data:
+            data = {**data, "content": None}
+        return data
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only in an assistant message")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id: required in a tool message, and only there")
+        return self
 
     @property
     def text(self) -> str:
-        """The content as one string: text parts joined by newlines (as vLLM joins them)."""
-        if isinstance(self.content, str):
-            return self.content
+        """The content as one string: text parts joined by newlines (as vLLM joins them); "" for null."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(p.text for p in self.content)
 
 
@@ -177,6 +207,11 @@ class SamplingFields(BaseModel):
         """``[kind, text]`` (``pagedq.config.constraints``) the output must follow, or None."""
         return constraint_of(self.response_format, self.structured_outputs)
 
+    @staticmethod
+    def constraint_given(data: dict) -> bool:
+        """Whether validated fields ``data`` ask for a structured output."""
+        return constraint_of(data.get("response_format"), data.get("structured_outputs")) is not None
+
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
@@ -207,6 +242,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # OpenAI's newer name for max_tokens; copied into max_tokens (which wins when both are given).
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = Field(default=None, exclude=True)
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: a required choice makes one call
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:
@@ -219,6 +257,29 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_fits_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        check_tool_choice(info.data.get("tools"), v)
+        constraint = tool_constraint(info.data.get("tools") or [], tool_parsing(info.data.get("tools"), v), True)
+        if constraint is not None:
+            if cls.constraint_given(info.data):
+                raise ValueError("a required or named tool choice cannot be combined with response_format or "
+                                 "structured_outputs")
+            _check_constraint(constraint, info)
+        return v
+
+    @property
+    def tool_parsing(self) -> str:
+        """How the answer becomes tool calls (``pipeline/tools.py``); "" when it does not."""
+        return tool_parsing(self.tools, self.tool_choice)
+
+    @property
+    def constraint(self) -> list[str] | None:
+        parsing = self.tool_parsing
+        tool = tool_constraint(self.tools or [], parsing, self.parallel_tool_calls is not False)
+        return tool if tool is not None else super().constraint
 
     @property
     def num_logprobs(self) -> int | None:
@@ -277,14 +338,14 @@ def parse_request(url: str, body: Any) -> AnyRequest:
 
 
 # OpenAI fields that would change the answer and that pagedq does not implement yet: a 400 naming them.
-NOT_SUPPORTED_YET = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+NOT_SUPPORTED_YET = {"functions", "function_call",
                      "best_of", "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
                      "web_search_options"}
 
 
 def _is_union_tag(part: str) -> bool:
     """A location part naming which alternative of a union was tried (``str``, ``list[int]``...), not a field."""
-    return part in ("str", "int", "float", "bool") or part.startswith(("function-", "list[", "dict["))
+    return part in ("str", "int", "float", "bool") or part.startswith(("function-", "list[", "dict[", "literal["))
 
 
 def validation_to_request_error(e: ValidationError) -> RequestError:

@@ -378,7 +378,7 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
         request_id=job.job_id, kind=job.kind, model=job.model, text=out.text, output_token_ids=out.output_token_ids,
         num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
         num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs,
-        fingerprint=fingerprint)
+        fingerprint=fingerprint, tool_parsing=job.tool_parsing)
     app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority),
                   argsrepr=completion.describe(), kwargsrepr="{}")
     return summary

@@ -94,7 +94,8 @@ async def _admitted(gw: Gateway, request: Request, url: str, tenant: Tenant) -> 
     shape = ChunkShape(sub.kind, ("chatcmpl-" if sub.kind == "chat" else "cmpl-") + job_id, req.model,
                        int(time.time()), sub.include_usage)
     if req.stream:
-        return _Streamed(_stream(gw, job_id, shape), media_type="text/event-stream",
+        hold = bool(getattr(req, "tool_parsing", ""))
+        return _Streamed(_stream(gw, job_id, shape, hold), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         return await _blocking(gw, request, job_id)
@@ -133,9 +134,11 @@ async def _blocking(gw: Gateway, request: Request, job_id: str) -> Response:
     return JSONResponse(result)
 
 
-async def _stream(gw: Gateway, job_id: str, shape: ChunkShape) -> AsyncIterator[bytes]:
+async def _stream(gw: Gateway, job_id: str, shape: ChunkShape, hold: bool = False) -> AsyncIterator[bytes]:
     """The job's chunks.  The job is cancelled only if the client goes away first (this generator is cancelled
-    or closed); a broker error ends the stream with an error chunk and leaves the job running."""
+    or closed); a broker error ends the stream with an error chunk and leaves the job running.  ``hold``
+    (a request with tools): the text is held back until the end, then sent in one chunk as content and
+    tool calls, since whether it is a call is known only once the answer is complete."""
     tick, follower = gw.expiry_tick(job_id), gw.follower()
     try:
         opening = shape.opening()
@@ -143,17 +146,21 @@ async def _stream(gw: Gateway, job_id: str, shape: ChunkShape) -> AsyncIterator[
             yield sse(opening)
         sent = ""
         async for text in follower.deltas(job_id, tick):
-            sent += text
-            yield sse(shape.delta(text))
+            if not hold:
+                sent += text
+                yield sse(shape.delta(text))
         rec = await follower.wait_done(job_id, tick)
         result = await follow.result(gw.aredis(), gw.names, job_id) if rec["state"] == JobState.COMPLETED else None
         if result is None:
             yield sse(job_error(rec).body())
         else:
-            text = follow.text_of(result)
-            if text.startswith(sent) and len(text) > len(sent):  # generated before deltas were published
-                yield sse(shape.delta(text[len(sent):]))
             choice = result["choices"][0]
+            calls = choice.get("message", {}).get("tool_calls")
+            text = follow.text_of(result) or ""
+            if calls:
+                yield sse(shape.tool_calls(text, calls))
+            elif text.startswith(sent) and len(text) > len(sent):  # held, or generated before deltas were published
+                yield sse(shape.delta(text[len(sent):]))
             yield sse(shape.finish(choice.get("finish_reason"), choice.get("stop_reason")))
             if shape.include_usage:
                 yield sse(shape.usage(result["usage"]))

@@ -198,6 +198,12 @@ class ChunkShape:
     def delta(self, text: str) -> dict:
         return self._chunk([self._choice(text, None)])
 
+    def tool_calls(self, content: str | None, calls: list[dict]) -> dict:
+        """A chat chunk carrying whole tool calls (and the text before them, if any)."""
+        delta: dict = {"content": content} if content else {}
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return self._chunk([{"index": 0, "logprobs": None, "finish_reason": None, "delta": delta}])
+
     def finish(self, finish_reason: str | None, stop_reason: Any = None) -> dict:
         chunk = self._chunk([self._choice(None if self.kind == "chat" else "", finish_reason)])
         chunk["choices"][0]["stop_reason"] = stop_reason

@@ -116,7 +116,6 @@ def test_logit_bias_reaches_the_sampling_params_as_token_ids():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"n": 2}, "n"),
     ({"logit_bias": {"42": -101}}, "logit_bias.42"),
@@ -126,7 +125,7 @@ def test_logit_bias_reaches_the_sampling_params_as_token_ids():
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content.1.type"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "critic", "content": "x"}]}, "messages.0.role"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_object", "json_schema": {"name": "x"}}}, "response_format"),
