@@ -131,6 +131,22 @@ class GenerateJob:
 
 
 @dataclass
+class ChoiceOutput:
+    """Another answer of a request with ``n`` > 1 (choices 1, 2, ...; choice 0 is the Completion's own)."""
+
+    text: str
+    output_token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, out: Any) -> ChoiceOutput:
+        """From an engine's finished output with its text (``workers.llm.Generation``)."""
+        return cls(out.text, out.output_token_ids, out.finish_reason, out.stop_reason, out.logprobs)
+
+
+@dataclass
 class Completion:
     """Everything the result consumer needs; travels as JSON on the results queue."""
 
@@ -150,6 +166,7 @@ class Completion:
     # from an older worker) or when the weights were reloaded while the job ran: such answers are not cached.
     fingerprint: str = ""
     tool_parsing: str = ""  # the GenerateJob's
+    others: list[ChoiceOutput] = field(default_factory=list)  # choices 1.. of a request with n > 1
 
     def describe(self) -> str:
         return (f"job={self.request_id} model={self.model} completion_tokens={len(self.output_token_ids)} "

@@ -16,6 +16,7 @@ GREEDY_EPSILON = 1e-5
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # answers to the one prompt; the engine computes the prompt once (``LLMEngine``)
     max_tokens: int = 16
     temperature: float = 1.0  # < GREEDY_EPSILON = greedy
     top_p: float = 1.0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedq.config import Settings
+from pagedq.config.messages import ChoiceOutput
 from pagedq.pipeline.postprocess import Completion, batch_output_line, build_response
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import (
@@ -81,8 +82,9 @@ def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
                            priorities=[p.request.priority for _, p in jobs], on_step=on_step) if jobs else []
     bar.close()
     for (i, p), out in zip(jobs, outs, strict=True):
-        if out.finish_reason == "error":
-            error = RequestError(f"the engine failed on this request: {out.error}", code="engine_error")
+        failed = next((o for o in [out, *out.others] if o.finish_reason == "error"), None)
+        if failed is not None:
+            error = RequestError(f"the engine failed on this request: {failed.error}", code="engine_error")
             prepared[i] = batch_output_line(p.custom_id, error=error)
             continue
         kind = "chat" if hasattr(p.request, "messages") else "text"
@@ -91,7 +93,7 @@ def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
             output_token_ids=out.output_token_ids, num_prompt_tokens=out.num_prompt_tokens,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason, num_cached_tokens=out.num_cached_tokens,
             logprobs=out.logprobs, want_logprobs=p.request.num_logprobs,
-            tool_parsing=getattr(p.request, "tool_parsing", ""))
+            tool_parsing=getattr(p.request, "tool_parsing", ""), others=[ChoiceOutput.of(o) for o in out.others])
         prepared[i] = batch_output_line(p.custom_id, build_response(completion, engine.tokenizer))
     with open(output_path, "w") as f:
         for item in prepared:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from pagedq.config.messages import Completion
+from pagedq.config.messages import ChoiceOutput, Completion
 from pagedq.pipeline.tools import parse_tool_calls
 from pagedq.store.result_cache import ResultCache
 
@@ -39,36 +39,39 @@ def _text_logprobs(tokenizer, items: list[dict]) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _choice(c: Completion, index: int, out: Completion | ChoiceOutput, tokenizer) -> dict:
+    logprobs = None
+    if c.want_logprobs is not None:
+        logprobs = (_chat_logprobs if c.kind == "chat" else _text_logprobs)(tokenizer, out.logprobs)
+    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason}
+    if c.kind != "chat":
+        choice["text"] = out.text
+        return choice
+    choice["message"] = {"role": "assistant", "content": out.text}
+    if c.tool_parsing:
+        content, calls = parse_tool_calls(out.text, c.tool_parsing)
+        if calls:
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+            if out.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+    return choice
+
+
 def build_response(c: Completion, tokenizer) -> dict:
-    """The chat.completion or text_completion object for a finished request.
+    """The chat.completion or text_completion object for a finished request: one choice per answer (``n``).
 
     The text was detokenized by the GPU worker (and cut at a stop string there); the tokenizer
     only renders logprobs' tokens."""
-    text = c.text
-    logprobs = None
-    if c.want_logprobs is not None:
-        logprobs = (_chat_logprobs if c.kind == "chat" else _text_logprobs)(tokenizer, c.logprobs)
-    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-    if c.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-        if c.tool_parsing:
-            content, calls = parse_tool_calls(text, c.tool_parsing)
-            if calls:
-                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                if c.finish_reason == "stop":
-                    choice["finish_reason"] = "tool_calls"
-        obj, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice["text"] = text
-        obj, prefix = "text_completion", "cmpl-"
-    completion_tokens = len(c.output_token_ids)
+    answers: list[Completion | ChoiceOutput] = [c, *c.others]
+    completion_tokens = sum(len(a.output_token_ids) for a in answers)
+    obj, prefix = ("chat.completion", "chatcmpl-") if c.kind == "chat" else ("text_completion", "cmpl-")
     return {
         "id": prefix + c.request_id,
         "object": obj,
         "created": c.created,
         "model": c.model,
-        "choices": [choice],
+        "choices": [_choice(c, i, a, tokenizer) for i, a in enumerate(answers)],
         "usage": {"prompt_tokens": c.num_prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": c.num_prompt_tokens + completion_tokens,
                   "prompt_tokens_details": {"cached_tokens": c.num_cached_tokens}},

@@ -52,6 +52,7 @@ DEFAULT_MAX_TOKENS = 256
 
 MAX_INT = 2**31 - 1  # token ids, counts: what a tensor index holds
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
+MAX_CHOICES = 128  # n, as OpenAI bounds it
 
 
 def _valid_unicode(text: str) -> str:
@@ -153,7 +154,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     # OpenAI's: token id (a decimal string) -> a bias in [-100, 100] added to its logit before sampling.
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # answers to the one prompt, computed once
     stream: bool = False
     user: Text | None = None
     priority: Annotated[int, Field(ge=0, le=9)] = 5
@@ -211,6 +212,13 @@ class SamplingFields(BaseModel):
     def constraint_given(data: dict) -> bool:
         """Whether validated fields ``data`` ask for a structured output."""
         return constraint_of(data.get("response_format"), data.get("structured_outputs")) is not None
+
+    @field_validator("stream")
+    @classmethod
+    def _one_choice_streamed(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("n", 1) > 1:
+            raise ValueError("cannot be combined with n > 1 yet; leave stream out or ask for one choice")
+        return v
 
     @field_validator("top_k")
     @classmethod
@@ -301,7 +309,7 @@ AnyRequest = ChatCompletionRequest | CompletionRequest
 
 def to_sampling_params(req: AnyRequest) -> SamplingParams:
     return SamplingParams(
-        max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
+        n=req.n, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop or [],
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,

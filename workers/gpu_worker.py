@@ -50,6 +50,7 @@ from celery.exceptions import Reject
 from pagedq.config import Settings
 from pagedq.config.celery_app import DispatchToken, make_celery, send_dispatch_token
 from pagedq.config.messages import (
+    ChoiceOutput,
     Completion,
     GenerateJob,
     JobNotCompleted,
@@ -363,22 +364,24 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
         error = RequestError(handle.error or "no output", code="server_error")
         store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
         raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
-    summary = {"job_id": job.job_id, "completion_tokens": len(out.output_token_ids),
-               "finish_reason": out.finish_reason}
-    if out.finish_reason == "error":  # this request's step raised; its batch mates went on
-        error = RequestError(f"the engine failed on this request: {out.error}", code="engine_error")
+    others = [c.output for c in handle.others.values()]
+    tokens = len(out.output_token_ids) + sum(len(o.output_token_ids) for o in others)
+    summary = {"job_id": job.job_id, "completion_tokens": tokens, "finish_reason": out.finish_reason}
+    failed = next((o for o in [out, *others] if o.finish_reason == "error"), None)
+    if failed is not None:  # this request's step raised; its batch mates went on
+        error = RequestError(f"the engine failed on this request: {failed.error}", code="engine_error")
         store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
         raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
     if out.finish_reason == "abort":
-        store.update(job.job_id, completion_tokens=len(out.output_token_ids), aborted_at_step=handle.finished_step)
+        store.update(job.job_id, completion_tokens=tokens, aborted_at_step=handle.finished_step)
         store.finish(job.job_id, JobState.CANCELLED)
-        raise JobNotCompleted(f"job {job.job_id} cancelled after {len(out.output_token_ids)} tokens")
-    store.update(job.job_id, completion_tokens=len(out.output_token_ids))
+        raise JobNotCompleted(f"job {job.job_id} cancelled after {tokens} tokens")
+    store.update(job.job_id, completion_tokens=tokens)
     completion = Completion(
         request_id=job.job_id, kind=job.kind, model=job.model, text=out.text, output_token_ids=out.output_token_ids,
         num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
         num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs,
-        fingerprint=fingerprint, tool_parsing=job.tool_parsing)
+        fingerprint=fingerprint, tool_parsing=job.tool_parsing, others=[ChoiceOutput.of(o) for o in others])
     app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority),
                   argsrepr=completion.describe(), kwargsrepr="{}")
     return summary

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from pagedq.config.sampling_params import SamplingParams
 from pagedq.kernels import get_attention_backend
 from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import Executor
-from pagedq.workers.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from pagedq.workers.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput, choice_ids
 from pagedq.workers.grammar import GrammarBackend, GrammarState
 from pagedq.workers.model.llama import CausalLM, ModelConfig, load_weights
 from pagedq.workers.model.loader import resolve_model
@@ -52,6 +52,7 @@ class Generation:
 
     output: RequestOutput
     text: str
+    others: list[Generation] = field(default_factory=list)  # choices 1.. of a request with n > 1
 
     def __getattr__(self, name: str):
         return getattr(self.output, name)
@@ -124,8 +125,8 @@ class LLM:
         """Run prompts to completion; results in input order.  ``on_step(finished ids)`` after each step."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        detoks = {rid: IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output)
-                  for rid, p in zip(ids, params_list, strict=True)}
+        detoks = {cid: IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output)
+                  for rid, p in zip(ids, params_list, strict=True) for cid in [rid, *choice_ids(rid, p.n)]}
         # Each constrained request gets its own grammar state, compiled here before the first step (the
         # compiler caches by schema, so a batch of one schema compiles it once).
         grammars = [self.engine.grammar_for(p) for p in params_list]
@@ -133,7 +134,7 @@ class LLM:
             self.engine.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0,
                                     grammar=grammars[i])
         finished: dict[str, Generation] = {}
-        while len(finished) < len(ids):
+        while len(finished) < len(detoks):
             for out in self.engine.step():
                 detok = detoks[out.request_id]
                 if detok.stop:
@@ -141,7 +142,9 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = finish(detok, out)
             if on_step:
-                on_step(finished)
+                on_step({rid: finished[rid] for rid in ids if rid in finished})
+        for rid, p in zip(ids, params_list, strict=True):
+            finished[rid].others = [finished[cid] for cid in choice_ids(rid, p.n)]
         return [finished[rid] for rid in ids]
 
     def reload_weights(self, path: str | Path | None = None) -> str:

@@ -10,7 +10,9 @@ stepping thread runs ``engine.step()`` while anything is unfinished, so a job
 that arrives mid-batch joins at the next step.  ``cancel`` aborts a job
 between steps (its KV blocks are freed by the engine).  Each job has one
 incremental detokenizer: it matches stop strings (and tells the engine to
-finish the job), produces the stream deltas, and the final text.  After every
+finish the job), produces the stream deltas, and the final text; a job with
+``n`` > 1 has one per choice (``Handle.others``) and is done when every choice
+is (the engine runs its choices under their own ids).  After every
 step the thread publishes the worker's engine stats to Redis and, for jobs
 someone is streaming, their new text as deltas on the job's Redis stream.
 """
@@ -38,7 +40,7 @@ from pagedq.store.registry import ModelInfo, register_model
 from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import ReplicaLostError
-from pagedq.workers.engine.llm_engine import RequestOutput
+from pagedq.workers.engine.llm_engine import RequestOutput, choice_ids
 from pagedq.workers.llm import LLM, Generation, feed, finish
 from pagedq.workers.metrics import EngineMetrics
 
@@ -53,6 +55,14 @@ def model_info(engine: LLM, names: Names) -> ModelInfo:
     """What a worker registers for its model (the result cache keys on the fingerprint)."""
     return ModelInfo(engine.model_name, engine.fingerprint, engine.max_model_len, engine.cfg.vocab_size,
                      names.generate_queue(engine.model_name), str(engine.model_path))
+
+
+@dataclass
+class Choice:
+    """One of a job's other answers (``n`` > 1): its detokenizer and, once done, its output."""
+
+    detokenizer: IncrementalDetokenizer
+    output: Generation | None = None
 
 
 @dataclass
@@ -72,6 +82,13 @@ class Handle:
     duplicate: bool = False  # the job is already running here under another task
     finished_step: int | None = None
     error: str | None = None
+    others: dict[str, Choice] = field(default_factory=dict)  # engine request id -> choice 1.., in order
+
+    @property
+    def complete(self) -> bool:
+        """Every choice has its final output (or the job failed)."""
+        return self.error is not None or (self.output is not None and
+                                          all(c.output is not None for c in self.others.values()))
 
 
 class EngineService:
@@ -89,6 +106,7 @@ class EngineService:
         self.names = names
         self.hostname = hostname
         self.handles: dict[str, Handle] = {}
+        self.choices: dict[str, Handle] = {}  # engine request id of a job's other choice -> the job's handle
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -120,8 +138,10 @@ class EngineService:
     def submit(self, job: GenerateJob, task_id: str) -> Handle:
         """Add a job to the engine (raises RequestError); the engine sees it at its next step."""
         params = job.params
-        detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
-        handle = Handle(job, params, task_id, detok, stream=job.stream)
+        def detokenizer() -> IncrementalDetokenizer:
+            return IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
+        handle = Handle(job, params, task_id, detokenizer(), stream=job.stream,
+                        others={cid: Choice(detokenizer()) for cid in choice_ids(job.job_id, params.n)})
         self._read_weights()  # outside the lock: a slow broker never holds up the stepping thread
         # Compiled on this task thread, outside the lock: a slow schema never holds up the stepping thread.
         grammar = self.engine.grammar_for(params)
@@ -136,6 +156,7 @@ class EngineService:
                 handle.done.set()
                 return handle
             self.handles[job.job_id] = handle  # before the engine can produce output for it
+            self.choices.update(dict.fromkeys(handle.others, handle))
             self.metrics.added(job.job_id, job.meta.tenant)
             self.jobs_received += 1
             try:
@@ -143,6 +164,8 @@ class EngineService:
                                         grammar=grammar)
             except Exception:
                 del self.handles[job.job_id]
+                for cid in handle.others:
+                    del self.choices[cid]
                 raise
         self._wake.set()
         return handle
@@ -172,7 +195,7 @@ class EngineService:
             if handle is None or handle.cancel_requested:
                 return False
             handle.cancel_requested = True
-            self.engine.abort_request(job_id)
+            self._abort(handle)
         self._wake.set()
         log.info("cancelling %s (engine step %d)", job_id, self.engine.stats.steps)
         return True
@@ -301,9 +324,12 @@ class EngineService:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         pipe = self.r.pipeline(transaction=False)
         step = self.engine.stats.steps
+        done: list[Handle] = []
         for out in outputs:
             handle = self.handles.get(out.request_id)
             if handle is None:
+                if (owner := self.choices.get(out.request_id)) is not None:
+                    self._choice_output(owner, out, done)
                 continue
             handle.num_tokens = len(out.output_token_ids)
             try:
@@ -319,15 +345,39 @@ class EngineService:
                 if not out.finished:
                     self.engine.abort_request(out.request_id)
                 out.finished = True  # released below; its task fails the job with the error
+            if out.finished:
+                if handle.error is not None or out.finish_reason in ("abort", "error"):
+                    self._abort(handle, others_only=True)  # its other choices have no use now
+                done.append(handle)
         self.metrics.step(self.engine, outputs)
         self._publish_stats(pipe=pipe)
         try:
             pipe.execute()
         except redis.RedisError as e:
             log.warning("could not publish step stats / deltas: %s", e)
-        for out in outputs:
+        for handle in done:
+            if handle.complete or handle.output is not None and handle.output.finish_reason in ("abort", "error"):
+                self._release(handle.job.job_id)
+
+    def _choice_output(self, handle: Handle, out: RequestOutput, done: list[Handle]) -> None:
+        """An output of one of a job's other choices (``n`` > 1)."""
+        choice = handle.others[out.request_id]
+        try:
+            if choice.detokenizer.stop:
+                feed(choice.detokenizer, out, self.engine.engine)
             if out.finished:
-                self._release(out.request_id)
+                choice.output = finish(choice.detokenizer, out)
+                done.append(handle)
+        except Exception as e:  # noqa: BLE001 - fails its job, like the job's own text
+            log.exception("detokenizing choice %s failed", out.request_id)
+            handle.error = f"detokenizing failed: {type(e).__name__}: {e}"
+            self._abort(handle)
+            done.append(handle)
+
+    def _abort(self, handle: Handle, others_only: bool = False) -> None:
+        """Abort a job's engine requests (choice 0's unless ``others_only``, and the other choices')."""
+        for request_id in ([] if others_only else [handle.job.job_id]) + list(handle.others):
+            self.engine.abort_request(request_id)
 
     def _replica_lost(self, error: ReplicaLostError) -> None:
         """A stage process of the engine died: every job goes back to the queue, and the worker stops."""
@@ -343,6 +393,8 @@ class EngineService:
     def _release(self, job_id: str) -> None:
         with self._lock:
             handle = self.handles.pop(job_id, None)
+            for cid in handle.others if handle is not None else ():
+                self.choices.pop(cid, None)
         if handle is not None:
             self.metrics.released(handle)
             handle.done.set()
@@ -356,7 +408,7 @@ class EngineService:
     def _fail_all(self, error: str) -> None:
         for handle in self.snapshot():
             handle.error = error
-            self.engine.abort_request(handle.job.job_id)
+            self._abort(handle)
             self._release(handle.job.job_id)
 
     def _stream_delta(self, pipe, handle: Handle, finished: bool) -> None:

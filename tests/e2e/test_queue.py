@@ -215,7 +215,7 @@ BAD_REQUESTS = [
     ({"messages": CHAT, "max_tokens": 10**6}, "max_tokens"),
     ({"messages": CHAT, "priority": 10}, "priority"),
     ({"messages": CHAT, "priority": -1}, "priority"),
-    ({"messages": CHAT, "n": 2}, "n"),
+    ({"messages": CHAT, "n": 0}, "n"),
     ({"messages": CHAT, "stop": [""]}, "stop"),
     ({"messages": CHAT, "stop": ["x"] * 17}, "stop"),
     ({"messages": CHAT, "presence_penalty": 5}, "presence_penalty"),

@@ -119,10 +119,15 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_response_format(gateway, s
                                     response_format=schema_format("Bad", {"type": "object", "properties": {
                                         "a": {"$ref": "#/$defs/nowhere"}}}))
     assert e.value.param == "response_format"
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/nowhere"}}}
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model=settings.model, messages=[{"role": "user", "content": "hi"}],
-                                    tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.param == "tools"
+                                    tools=[bad_tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert e.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=settings.model, messages=[{"role": "user", "content": "hi"}],
+                                    functions=[bad_tool["function"]])
+    assert e.value.param == "functions"
 
 
 def test_python_client_and_the_result_cache(client, settings):
@@ -201,3 +206,154 @@ def test_batches_api_and_run_batch_outputs_all_parse_and_validate(gateway, setti
                    timeout=600)
     offline = [json.loads(x) for x in (tmp_path / "offline.jsonl").read_text().splitlines()]
     assert check_batch_output(offline) == via_api
+
+
+# --- tools -----------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["C", "F"]}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 16}}}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+
+
+def check_calls(calls) -> list[tuple[str, dict]]:
+    """Every call names a declared function and its arguments validate; (name, arguments) of each."""
+    assert calls, "no tool calls"
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+        out.append((call.function.name, args))
+    return out
+
+
+def test_openai_sdk_tool_calls_named_required_streamed_and_a_round_trip(gateway, settings):
+    api = sdk(gateway)
+    ask = [{"role": "user", "content": "What is the weather in Paris, in Celsius?"}]
+    named = api.chat.completions.create(model=settings.model, messages=ask, tools=[WEATHER, CLOCK], temperature=0,
+                                        max_tokens=60, tool_choice={"type": "function",
+                                                                    "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [(name, args)] = check_calls(choice.message.tool_calls)
+    assert name == "get_weather"
+
+    required = api.chat.completions.create(model=settings.model, messages=ask, tools=[WEATHER, CLOCK],
+                                           tool_choice="required", temperature=0, max_tokens=120,
+                                           parallel_tool_calls=False)
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert len(check_calls(required.choices[0].message.tool_calls)) == 1
+
+    chunks = list(api.chat.completions.create(
+        model=settings.model, messages=ask, tools=[WEATHER, CLOCK], temperature=0, max_tokens=60, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert check_calls(deltas[0].tool_calls) == [(name, args)], "streamed as answered"
+
+    # The round trip: the call and its result go back in the history; the answer is text (tool_choice none).
+    history = ask + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "21 C, sunny"}]
+    answer = api.chat.completions.create(model=settings.model, messages=history, tools=[WEATHER, CLOCK],
+                                         tool_choice="none", temperature=0, max_tokens=30)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    auto = api.chat.completions.create(model=settings.model, messages=history, tools=[WEATHER, CLOCK],
+                                       temperature=0, max_tokens=60)
+    message = auto.choices[0].message
+    assert message.content or message.tool_calls
+    if message.tool_calls:
+        check_calls(message.tool_calls)
+
+
+def test_logit_bias_forces_a_token_through_the_gateway(gateway, settings):
+    import random
+
+    api = sdk(gateway)
+    token = random.randrange(1000, 40000)
+    done = api.chat.completions.create(model=settings.model, messages=[{"role": "user", "content": "Hello"}],
+                                       temperature=0, max_tokens=4, logprobs=True, logit_bias={str(token): 100})
+    tokens = [t.token for t in done.choices[0].logprobs.content]
+    assert len(tokens) == 4 and len(set(tokens)) == 1, tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=settings.model, messages=[{"role": "user", "content": "Hello"}],
+                                    logit_bias={"99999999": 5})
+    assert e.value.param == "logit_bias"
+
+
+# --- real client libraries, unmodified -------------------------------------------------------------------
+def test_instructor_extracts_a_pydantic_model_in_tools_and_json_schema_modes(gateway, settings):
+    import instructor
+
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        client = instructor.from_openai(sdk(gateway), mode=mode)
+        person = client.chat.completions.create(
+            model=settings.model, response_model=Person, max_retries=0, temperature=0, max_tokens=120,
+            messages=[{"role": "user", "content": "Extract: Ann is happy and has a cat named Tom."}])
+        assert isinstance(person, Person), mode
+
+
+def test_langchain_chat_openai_invoke_stream_batch_structured_output_and_tools(gateway, settings):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=settings.model, base_url=f"{gateway}/v1", api_key="none", temperature=0, max_tokens=24,
+                     max_retries=0, timeout=TIMEOUT)
+    said = llm.invoke("Say hello.")
+    assert said.content
+    streamed = "".join(chunk.content for chunk in llm.stream("Say hello."))
+    assert streamed == said.content
+    assert [m.content for m in llm.batch(["Say hello.", "Say hello."])] == [said.content] * 2
+
+    structured = ChatOpenAI(model=settings.model, base_url=f"{gateway}/v1", api_key="none", temperature=0,
+                            max_tokens=120, max_retries=0, timeout=TIMEOUT).with_structured_output(Person)
+    assert isinstance(structured.invoke("Describe Bob, who is calm and has a dog."), Person)
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"21 C and sunny in {city}"
+
+    with_tools = ChatOpenAI(model=settings.model, base_url=f"{gateway}/v1", api_key="none", temperature=0,
+                            max_tokens=60, max_retries=0, timeout=TIMEOUT).bind_tools([get_weather],
+                                                                                      tool_choice="get_weather")
+    history = [HumanMessage("What is the weather in Paris?")]
+    called = with_tools.invoke(history)
+    assert [c["name"] for c in called.tool_calls] == ["get_weather"]
+    assert isinstance(called.tool_calls[0]["args"]["city"], str)
+    history += [called, ToolMessage(get_weather.invoke(called.tool_calls[0]["args"]),
+                                    tool_call_id=called.tool_calls[0]["id"])]
+    answer = llm.bind_tools([get_weather]).invoke(history)
+    assert answer.content or answer.tool_calls
+
+
+def test_n_choices_share_one_prompt_computation(gateway, settings):
+    """n=4: four choices, and the worker's prefix-cache counter shows choices 1-3 took the prompt's blocks."""
+    import random
+
+    from pagedq.config.names import Names
+    from pagedq.store.connection import redis_client
+
+    api = sdk(gateway)
+    r, names = redis_client(settings.broker_url), Names.from_settings(settings)
+
+    def prefix_hits() -> int:
+        return sum(int(r.hget(key, "prefix_hits") or 0) for key in r.scan_iter(names.worker_pattern))
+    words = " ".join(random.choice(["queue", "token", "cache", "worker", "lease", "batch"]) for _ in range(40))
+    before = prefix_hits()
+    done = api.chat.completions.create(model=settings.model, n=4, temperature=1.0, seed=random.randrange(1 << 30),
+                                       max_tokens=12, logprobs=True,
+                                       messages=[{"role": "user", "content": f"Continue: {words}"}])
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in done.choices)
+    assert done.usage.completion_tokens == sum(len(c.logprobs.content) for c in done.choices)
+    assert len({c.message.content for c in done.choices}) > 1, "sampled choices differ"
+    full = (done.usage.prompt_tokens - 1) // settings.block_size * settings.block_size
+    cached = done.usage.prompt_tokens_details.cached_tokens
+    queue_helpers.wait_until(lambda: prefix_hits() - before == cached + 3 * full, 30, 0.2,
+                             "the worker's prefix hits to show choices 1-3 took the prompt's blocks")

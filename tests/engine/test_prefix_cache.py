@@ -107,3 +107,36 @@ def test_prefix_cache_off_never_shares():
     s.num_computed_tokens = 12
     bm.cache_full_blocks(s)
     assert bm.find_cached_prefix(Sequence("2", list(range(1, 13)), SamplingParams())) == [] and not bm.cached
+
+
+def test_n_choices_compute_the_prompt_once():
+    """n > 1: the other choices wait until choice 0 has computed the prompt, then take its blocks."""
+    eng = fresh_engine()
+    bs = eng.settings.block_size
+    prompt = random.choice([p for p in sharegpt_prompts() if len(p) > 3 * bs])
+    seed = random.randrange(1 << 32)
+    sampled = SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=seed, ignore_eos=True)
+    [out] = eng.generate([prompt], sampled)
+    answers = [o.output_token_ids for o in [out, *out.others]]
+    assert [len(a) for a in answers] == [10] * 4 and len({tuple(a) for a in answers}) > 1
+    full = (len(prompt) - 1) // bs * bs  # the last token always runs: its block is computed again
+    assert eng.stats.prefix_hits == 3 * full
+    assert eng.stats.prompt_tokens_computed == len(prompt) + 3 * (len(prompt) - full)
+    [again] = eng.generate([prompt], sampled)
+    assert [o.output_token_ids for o in [again, *again.others]] == answers, "seeded choices are reproducible"
+
+    [greedy_n] = eng.generate([prompt], greedy(6, n=3))
+    [one] = eng.generate([prompt], greedy(6))
+    assert [o.output_token_ids for o in [greedy_n, *greedy_n.others]] == [one.output_token_ids] * 3
+
+
+def test_aborting_a_request_ends_its_held_choices():
+    eng = fresh_engine().engine
+    prompt = sharegpt_prompts()[0]
+    eng.add_request("r", prompt, greedy(8, n=3))
+    eng.abort_request("r")
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step())
+    assert sorted(outs) == ["r", "r#1", "r#2"]
+    assert all(o.finished and o.finish_reason == "abort" for o in outs.values())

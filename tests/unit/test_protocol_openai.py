@@ -117,7 +117,9 @@ def test_logit_bias_reaches_the_sampling_params_as_token_ids():
 
 @pytest.mark.parametrize("fields, param", [
     ({"tool_choice": "auto"}, "tool_choice"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
+    ({"n": 2, "stream": True}, "stream"),
     ({"logit_bias": {"42": -101}}, "logit_bias.42"),
     ({"logit_bias": {"-3": 1}}, "logit_bias"),
     ({"logit_bias": {"dog": 1}}, "logit_bias"),

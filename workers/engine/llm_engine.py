@@ -11,6 +11,13 @@ any thread; they take effect at the start of the next step.  Stop strings are
 not the core's business: whoever detokenizes the output calls
 ``finish_request(id, "stop")`` and the sequence ends at the next step.
 
+A request with ``params.n`` > 1 is n sequences: the request's own (choice 0)
+and choices ``choice_id(id, i)``, held back until choice 0 has computed the
+prompt; seated then, they take its blocks from the prefix cache, so the prompt
+is computed once (all but its last, partial block).  Each choice has its own
+output (its own id); aborting the request aborts the choices still held back;
+the others are aborted by id.
+
 Building an engine (loading a model, choosing an executor) is ``pagedq.workers.llm``'s job.
 """
 
@@ -21,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedq.config.messages import RequestError, check_context, check_logit_bias
 from pagedq.config.sampling_params import SamplingParams
@@ -29,9 +36,18 @@ from pagedq.config.scheduling import SchedulingMeta
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import Executor, ReplicaLostError
 from pagedq.workers.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from pagedq.workers.engine.sequence import Grammar, Sequence
+from pagedq.workers.engine.sequence import Grammar, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The request id of choice ``index`` (>= 1) of a request with ``n`` > 1; choice 0 is the request's own."""
+    return f"{request_id}#{index}"
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    return [choice_id(request_id, i) for i in range(1, n)]
 
 
 @dataclass
@@ -75,6 +91,8 @@ class LLMEngine:
                                    config.scheduling_policy, config.eos_token_ids, config.max_model_len)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self.requests: dict[str, Sequence] = {}
+        self._held: dict[str, list[Sequence]] = {}  # request id -> its other choices, until its prompt is computed
+        self._spilled: list[RequestOutput] = []  # outputs of held choices ended with their request, for the next step
         # Builds a sequence's grammar state from ``params.constraint`` (``workers/grammar.py``); None: this
         # engine refuses constraints (its sampler runs in another process, see ``LLM``).
         self.new_grammar: Callable[[list[str]], Grammar] | None = None
@@ -137,7 +155,10 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if grammar is None:
             grammar = self.grammar_for(params)
-        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params, priority, meta, grammar)))
+        seq = Sequence(request_id, prompt_token_ids, params, priority, meta, grammar)
+        others = [Sequence(cid, prompt_token_ids, _choice_params(params, i), priority, meta, self.grammar_for(params))
+                  for i, cid in enumerate(choice_ids(request_id, params.n), start=1)]
+        self._inbox.put(("add", (seq, others)))
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -154,11 +175,13 @@ class LLMEngine:
             except queue.Empty:
                 return ended
             if kind == "add":
-                if item.request_id in self.requests:
-                    log.warning("request %s already in the engine; duplicate ignored", item.request_id)
+                seq, others = item
+                if seq.request_id in self.requests:
+                    log.warning("request %s already in the engine; duplicate ignored", seq.request_id)
                     continue
-                self.requests[item.request_id] = item
-                self.scheduler.add(item)
+                self._seat(seq)
+                if others:
+                    self._held[seq.request_id] = others
             elif kind == "abort":
                 self._end(item, "abort", None, ended)
             else:
@@ -174,12 +197,27 @@ class LLMEngine:
             ended.append(self._output(seq, 0))
         # else: in a micro-batch in flight; it ends when that comes back (update_from_output)
 
+    def _seat(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _release_choices(self, seq: Sequence) -> None:
+        """Seat the held choices of a request whose prompt is computed; end them with it if it ended first."""
+        others = self._held.pop(seq.request_id, None)
+        for other in others or ():
+            if seq.finish_reason in ("abort", "error"):
+                other.status, other.finish_reason, other.error = SequenceStatus.FINISHED, seq.finish_reason, seq.error
+                self._spilled.append(self._output(other, 0))
+            else:
+                self._seat(other)
+
     def _retire(self, seq: Sequence) -> None:
         del self.requests[seq.request_id]
         self.executor.forget(seq.request_id)
+        self._release_choices(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or not self._inbox.empty()
+        return bool(self.requests) or bool(self._spilled) or not self._inbox.empty()
 
     @property
     def num_requests(self) -> int:
@@ -194,6 +232,8 @@ class LLMEngine:
         """
         with self.lock:
             outputs = self._drain_inbox()
+            outputs += self._spilled
+            self._spilled = []
             ex = self.executor
             while ex.num_inflight < ex.max_inflight:
                 sched = self.scheduler.schedule(self._micro_batch_seats())
@@ -212,6 +252,9 @@ class LLMEngine:
             result = ex.collect()
             stepped, finished = self.scheduler.update_from_output(result)
             outputs.extend(self._output(seq, 1) for seq in stepped)
+            for seq in stepped:
+                if seq.request_id in self._held and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self._release_choices(seq)
             for seq in finished:
                 if seq not in stepped:  # ended from outside while in flight
                     outputs.append(self._output(seq, 0))
@@ -302,6 +345,13 @@ class LLMEngine:
             for seq in running:  # their blocks belonged to the old pool
                 seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
                 self.scheduler.add(seq)
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: a seeded request's choices draw from seeds ``seed + index``."""
+    if params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + index) % (1 << 63))
 
 
 def new_request_id(prefix: str = "gen") -> str:
