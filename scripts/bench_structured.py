@@ -1,7 +1,7 @@
 """Constrained decoding vs the same requests unconstrained, side by side in one run.
 
 Builds chat requests that ask for JSON (several schemas: nested objects, enums,
-arrays, required fields), renders them with the model's chat template, and runs
+arrays, required fields, bounded integers and strings, so a small model's answer ends), renders them with the model's chat template, and runs
 them through the offline engine in one batch:
 
 - constrained: each with its schema (xgrammar, the engine's bitmask), greedy;
@@ -34,7 +34,7 @@ from pagedq.pipeline.protocol import CHAT_URL, parse_request, to_sampling_params
 from pagedq.workers.llm import LLM
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "mood", "pets"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "mood": {"enum": ["happy", "sad", "calm"]},
                          "pets": {"type": "array", "maxItems": 2, "items": {
                              "type": "object", "additionalProperties": False, "required": ["kind", "name"],
@@ -42,7 +42,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                                             "name": {"type": "string", "maxLength": 10}}}}}}
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "country", "capital", "population"],
         "properties": {"city": {"type": "string", "maxLength": 16}, "country": {"type": "string", "maxLength": 16},
-                       "capital": {"type": "boolean"}, "population": {"type": "integer"}}}
+                       "capital": {"type": "boolean"}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}}}
 ORDER = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "delivery"],
          "properties": {"customer": {"type": "object", "additionalProperties": False, "required": ["name", "vip"],
                                      "properties": {"name": {"type": "string", "maxLength": 12},
@@ -50,7 +50,7 @@ ORDER = {"type": "object", "additionalProperties": False, "required": ["customer
                         "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
                             "type": "object", "additionalProperties": False, "required": ["sku", "qty"],
                             "properties": {"sku": {"enum": ["tea", "coffee", "juice", "cake"]},
-                                           "qty": {"type": "integer"}}}},
+                                           "qty": {"type": "integer", "minimum": 1, "maximum": 20}}}},
                         "delivery": {"enum": ["pickup", "courier", "post"]}}}
 TASKS = [
     (PERSON, "Describe {} as JSON: a person with a name, age, mood and pets."),
