@@ -56,7 +56,7 @@ def schema_format(name: str, schema: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def settings(redis_url) -> Settings:
-    return Settings(broker_url=redis_url, key_prefix="pso:", queue_prefix="pso.", max_num_seqs=8,
+    return Settings(broker_url=redis_url, key_prefix="pso:", queue_prefix="pso.", max_num_seqs=32,
                     kv_cache_memory="256MiB", progress_interval_s=0.5)
 
 
@@ -357,3 +357,41 @@ def test_n_choices_share_one_prompt_computation(gateway, settings):
     cached = done.usage.prompt_tokens_details.cached_tokens
     queue_helpers.wait_until(lambda: prefix_hits() - before == cached + 3 * full, 30, 0.2,
                              "the worker's prefix hits to show choices 1-3 took the prompt's blocks")
+
+
+TICKET = {"type": "object", "additionalProperties": False, "required": ["title", "priority", "tags", "owner"],
+          "properties": {"title": {"type": "string", "maxLength": 24},
+                         "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["bug", "ui", "api", "docs"]}},
+                         "owner": {"type": "object", "additionalProperties": False, "required": ["team"],
+                                   "properties": {"team": {"enum": ["core", "web", "infra"]}}}}}
+
+
+def test_two_hundred_schema_lines_through_the_batches_api_all_validate(gateway, settings):
+    """200 lines, four schemas (nested objects, enums, arrays, bounded integers, required fields): 200/200 valid."""
+    import random
+
+    schemas = [("Person", Person.model_json_schema(), "Describe {} and their pets as JSON."),
+               ("City", CITY, "Give a city of {} as JSON."), ("Order", ORDER, "Order a drink for {} as JSON."),
+               ("Ticket", TICKET, "File a ticket about {} as JSON.")]
+    topics = ["Ann", "Bob", "Peru", "Japan", "login", "search", "Chile", "Eve", "billing", "Oslo"]
+    lines, checks = [], {}
+    for i in range(200):
+        name, schema, ask = schemas[i % len(schemas)]
+        body = {"messages": [{"role": "user", "content": ask.format(random.choice(topics))}],
+                "response_format": schema_format(name, schema), "temperature": 0, "max_completion_tokens": 160}
+        lines.append(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": CHAT, "body": body}))
+        checks[f"line-{i}"] = schema
+    api = sdk(gateway)
+    upload = api.files.create(file=("two-hundred.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    batch = api.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    done = queue_helpers.wait_until(
+        lambda: (b := api.batches.retrieve(batch.id)).status in ("completed", "failed", "cancelled") and b,
+        TIMEOUT * 4, 1.0, "the batch of 200 lines to end")
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 200, 0)
+    out = [json.loads(x) for x in api.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == sorted(checks)
+    for line in out:
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", (line["custom_id"], choice)
+        jsonschema.validate(json.loads(choice["message"]["content"]), checks[line["custom_id"]])
