@@ -491,6 +491,7 @@ OPERATIONS = ["GET /health", "GET /ready", "POST /v1/chat/completions", "POST /v
               "GET /v1/files/{file_id}/content", "DELETE /v1/files/{file_id}", "POST /v1/batches",
               "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel"]
 _WAITING = ("/v1/chat/completions", "/v1/completions", "/v1/jobs")
+EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "30"))  # per operation; raise it for a longer search
 
 
 def test_openapi_schema_lists_every_operation(api_schema):
@@ -506,7 +507,7 @@ def test_openapi_schema_no_server_errors(api_schema, label):
     operation = api_schema[path][method]
 
     @given(case=strategies.one_of(operation.as_strategy(), operation.as_strategy(GenerationMode.NEGATIVE)))
-    @hypothesis_settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @hypothesis_settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def check(case) -> None:
         if path in _WAITING and isinstance(case.body, dict):
             case.body["timeout_s"] = 0.05  # nothing is served: a valid request ends expired (429) at once
