@@ -38,6 +38,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
+    def max_output_tokens(self) -> int:
+        """The most tokens the request can generate: ``max_tokens`` for each of its ``n`` choices."""
+        return self.n * self.max_tokens
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 

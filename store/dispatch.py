@@ -18,7 +18,7 @@ waiting (``fair_waiting``: the *active* tenants), the push counter
 (job id -> where it waits, or the slot it is bound to) and ``fair_message``
 (its GenerateJob JSON).
 
-Counters: a claim charges the tenant ``(prompt tokens + max_tokens) / weight``
+Counters: a claim charges the tenant ``(prompt tokens + n x max_tokens) / weight``
 (weights: ``names.tenant_weights``, missing or invalid = 1); ``refund`` gives
 back the unused output at the end; ``release`` gives back the whole claim
 charge (the job is charged again when claimed again).  A tenant with nothing
@@ -271,7 +271,7 @@ class FairDispatch:
         entry = {"prefix": n.fair_prefix(job.model), "vtc": n.vtc(job.model), "model": job.model,
                  "priority": str(priority), "tenant": tenant,
                  "deadline": "+inf" if deadline is None else repr(float(deadline)),
-                 "cost": str(len(job.prompt_token_ids) + int(job.params.max_tokens or 0))}
+                 "cost": str(len(job.prompt_token_ids) + job.params.max_output_tokens)}
         self._push(keys=[n.fair_index, n.fair_message(job.job_id), n.fair_seq(job.model)],
                    args=[job.job_id, json.dumps(to_json(job)), json.dumps(entry), arrival_key(arrival)])
 

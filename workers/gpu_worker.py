@@ -329,7 +329,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             store.requeue(job.job_id, count_attempt=handle.lost)
             d.fair.release(slot)
             raise Reject("worker shutting down", requeue=True)
-        generated = len(handle.output.output_token_ids) if handle.output is not None else 0
+        generated = handle.generated_tokens
         try:
             summary = conclude(task.app, handle, store, names, weights if service.engine.fingerprint == weights else "")
         finally:
@@ -340,7 +340,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
         """The job ended (or was sent to postprocess): forget its binding, give back the output it did not use."""
         d.fair.unbind(slot, job.job_id)
         tenant = getattr(getattr(job, "meta", None), "tenant", None) or "default"
-        d.fair.refund(job.model, tenant, max(int(job.params.max_tokens or 0) - generated, 0))
+        d.fair.refund(job.model, tenant, max(job.params.max_output_tokens - generated, 0))
 
     return dispatch
 

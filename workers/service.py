@@ -85,6 +85,12 @@ class Handle:
     others: dict[str, Choice] = field(default_factory=dict)  # engine request id -> choice 1.., in order
 
     @property
+    def generated_tokens(self) -> int:
+        """Output tokens of every choice that has finished."""
+        outs = [self.output, *(c.output for c in self.others.values())]
+        return sum(len(o.output_token_ids) for o in outs if o is not None)
+
+    @property
     def complete(self) -> bool:
         """Every choice has its final output (or the job failed)."""
         return self.error is not None or (self.output is not None and
