@@ -37,6 +37,10 @@ class SamplingParams:
     # Token id -> bias added to its logit after the penalties (OpenAI's logit_bias); ids < the vocabulary.
     logit_bias: dict[int, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.logit_bias:  # JSON (a stage's copy of the params) turns the token ids into strings
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+
     @property
     def max_output_tokens(self) -> int:
         """The most tokens the request can generate: ``max_tokens`` for each of its ``n`` choices."""

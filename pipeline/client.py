@@ -600,7 +600,7 @@ def _pending(rec: dict, total: int) -> int:
 
 def _text_of(result: dict) -> str:
     choice = result["choices"][0]
-    return choice["message"]["content"] if "message" in choice else choice["text"]
+    return (choice["message"]["content"] or "") if "message" in choice else choice["text"]
 
 
 def _output_line(status: JobStatus, raw_result: str | None) -> dict:

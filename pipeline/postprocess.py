@@ -82,7 +82,7 @@ def cache_answer(cache: ResultCache, c: Completion, body: dict) -> bool:
     """File a published answer in the result cache, if its request is cacheable (the producer recorded its
     digest) and ended on its own, under the fingerprint of the weights that produced it, and only while the
     model is still served with those weights (``store/result_cache.py``)."""
-    if c.finish_reason not in ("stop", "length"):
+    if any(a.finish_reason not in ("stop", "length") for a in [c, *c.others]):
         return False
     request, version = cache.r.hmget(cache.names.job(c.request_id), "cache_request", "cache_version")
     if not request:

@@ -52,7 +52,7 @@ _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]  # ``_NAME``
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # calls follow the schema whenever they are constrained; otherwise as written
@@ -100,10 +100,8 @@ class ToolCall(BaseModel):
     @property
     def arguments(self) -> Any:
         """The arguments as a value (templates render them as JSON); text that is not JSON stays text."""
-        try:
-            return json.loads(self.function.arguments)
-        except json.JSONDecodeError:
-            return self.function.arguments
+        ok, value = _loads(self.function.arguments)
+        return value if ok else self.function.arguments
 
 
 def tool_parsing(tools: list[ToolSpec] | None, choice: ToolChoice | None) -> str:
@@ -163,13 +161,29 @@ def call_block(name: str, arguments: Any) -> str:
 
 
 # --- the answer ------------------------------------------------------------------------------------------
+def _loads(text: str) -> tuple[bool, Any]:
+    """(parsed, value): model output may be any text, nested past the parser's limit too."""
+    try:
+        return True, json.loads(text)
+    except (ValueError, RecursionError):
+        return False, None
+
+
 def _call(name: str, arguments: Any) -> dict:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    # ASCII escapes: a lone surrogate the model wrote as an escape stays one (UTF-8 would refuse it)
+    if isinstance(arguments, str):  # written as a string of JSON: kept, any lone surrogate as its escape
+        text = arguments.encode("utf-8", "backslashreplace").decode("utf-8")
+    else:
+        text = json.dumps(arguments)
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
 
 
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # what ``FunctionSpec.name`` allows
+
+
 def _named_call(item: Any) -> dict | None:
-    if isinstance(item, dict) and isinstance(item.get("name"), str) and "arguments" in item:
+    if isinstance(item, dict) and isinstance(item.get("name"), str) and _NAME.match(item["name"]) \
+            and "arguments" in item:
         return _call(item["name"], item["arguments"])
     return None
 
@@ -178,25 +192,18 @@ def parse_tool_calls(text: str, parsing: str) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of an answer; content None when the answer is only calls.  An answer that does
     not parse (cut by max_tokens, or free text under ``auto``) is content with no calls."""
     if parsing.startswith("function:"):
-        try:
-            return None, [_call(parsing.removeprefix("function:"), json.loads(text))]
-        except json.JSONDecodeError:
-            return text, []
+        ok, arguments = _loads(text)
+        return (None, [_call(parsing.removeprefix("function:"), arguments)]) if ok else (text, [])
     if parsing == "required":
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []
-        calls = [c for c in map(_named_call, items if isinstance(items, list) else []) if c is not None]
+        ok, items = _loads(text)
+        calls = [c for c in map(_named_call, items if ok and isinstance(items, list) else []) if c is not None]
         return (None, calls) if calls else (text, [])
     if parsing != "auto" or "<tool_call>" not in text:
         return text, []
     calls = []
     for block in _CALL_BLOCK.findall(text):
-        try:
-            call = _named_call(json.loads(block))
-        except json.JSONDecodeError:
-            call = None
+        ok, item = _loads(block)
+        call = _named_call(item) if ok else None
         if call is not None:
             calls.append(call)
     if not calls:

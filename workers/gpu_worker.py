@@ -364,15 +364,17 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
         error = RequestError(handle.error or "no output", code="server_error")
         store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
         raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
-    others = [c.output for c in handle.others.values()]
-    tokens = len(out.output_token_ids) + sum(len(o.output_token_ids) for o in others)
+    others = [c.output for c in handle.others.values() if c.output is not None]
+    tokens = handle.generated_tokens
     summary = {"job_id": job.job_id, "completion_tokens": tokens, "finish_reason": out.finish_reason}
     failed = next((o for o in [out, *others] if o.finish_reason == "error"), None)
     if failed is not None:  # this request's step raised; its batch mates went on
         error = RequestError(f"the engine failed on this request: {failed.error}", code="engine_error")
         store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
         raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
-    if out.finish_reason == "abort":
+    # Cancelled: choice 0 aborted, or (n > 1) a choice was still running when the cancel came.
+    if out.finish_reason == "abort" or len(others) < len(handle.others) or \
+            any(o.finish_reason == "abort" for o in others):
         store.update(job.job_id, completion_tokens=tokens, aborted_at_step=handle.finished_step)
         store.finish(job.job_id, JobState.CANCELLED)
         raise JobNotCompleted(f"job {job.job_id} cancelled after {tokens} tokens")

@@ -151,6 +151,7 @@ class EngineService:
         self._read_weights()  # outside the lock: a slow broker never holds up the stepping thread
         # Compiled on this task thread, outside the lock: a slow schema never holds up the stepping thread.
         grammar = self.engine.grammar_for(params)
+        choice_grammars = [self.engine.grammar_for(params) for _ in handle.others]
         with self._lock:
             if job.job_id in self.handles:  # a redelivered copy of a job running here: ends with the original
                 handle.duplicate = True
@@ -167,7 +168,7 @@ class EngineService:
             self.jobs_received += 1
             try:
                 self.engine.add_request(job.job_id, job.prompt_token_ids, params, job.priority, job.meta,
-                                        grammar=grammar)
+                                        grammar=grammar, choice_grammars=choice_grammars)
             except Exception:
                 del self.handles[job.job_id]
                 for cid in handle.others:
@@ -229,12 +230,12 @@ class EngineService:
         return self._stopping.is_set()
 
     def free_seats(self) -> int:
-        """Jobs the engine could take now without any waiting: ``max_num_seqs`` less the jobs it holds
-        (running or waiting); 0 while the worker drains.  Cheap (no lock, no engine call): fair dispatch
+        """Jobs the engine could take now without any waiting: ``max_num_seqs`` less the sequences its jobs
+        hold (running or waiting; a job with ``n`` choices holds n); 0 while the worker drains.  Cheap (no lock, no engine call): fair dispatch
         polls it before it claims the next job (``gpu_worker.Seats``)."""
         if self._stopping.is_set() or self.engine is None:
             return 0
-        return self.engine.engine.config.max_num_seqs - len(self.handles)
+        return self.engine.engine.config.max_num_seqs - sum(1 + len(h.others) for h in list(self.handles.values()))
 
     def seats_held(self) -> SeatsHeld | None:
         """The engine's seats and how many of its jobs each tenant holds, for a claim beyond the seats
@@ -242,8 +243,11 @@ class EngineService:
         if self._stopping.is_set() or self.engine is None:
             return None
         with self._lock:
-            jobs = [h.job for h in self.handles.values()]
-        held = Counter(j.meta.tenant or DEFAULT_TENANT for j in jobs)
+            handles = list(self.handles.values())
+        jobs = [h.job for h in handles]
+        held: Counter[str] = Counter()
+        for h in handles:  # a job with n choices holds n seats
+            held[h.job.meta.tenant or DEFAULT_TENANT] += 1 + len(h.others)
         return SeatsHeld(self.engine.engine.config.max_num_seqs, dict(held),
                          min((int(j.priority) for j in jobs), default=0))
 
@@ -263,9 +267,9 @@ class EngineService:
         """Abort every job (their tasks requeue them) and stop stepping."""
         with self._lock:
             self._stopping.set()
-            for job_id, handle in self.handles.items():
+            for handle in self.handles.values():
                 handle.requeue = True
-                self.engine.abort_request(job_id)
+                self._abort(handle)
         self._wake.set()
 
     # --- the stepping thread -------------------------------------------------

@@ -395,3 +395,19 @@ def test_two_hundred_schema_lines_through_the_batches_api_all_validate(gateway, 
         choice = line["response"]["body"]["choices"][0]
         assert choice["finish_reason"] == "stop", (line["custom_id"], choice)
         jsonschema.validate(json.loads(choice["message"]["content"]), checks[line["custom_id"]])
+
+
+def test_cancelling_a_job_with_n_choices_ends_it_cancelled_and_frees_every_choice(client, settings):
+    from pagedq.config.names import Names
+    from pagedq.store.connection import redis_client
+
+    r, names = redis_client(settings.broker_url), Names.from_settings(settings)
+
+    def engine_requests() -> int:
+        return sum(int(r.hget(key, "requests") or 0) for key in r.scan_iter(names.worker_pattern))
+    job = client.submit(prompt="Once upon a time", n=3, max_tokens=600, temperature=1.0, ignore_eos=True)
+    queue_helpers.wait_until(lambda: engine_requests() == 3, TIMEOUT, 0.1, "the job's three choices to run")
+    client.cancel(job)
+    final = client.wait(job, 60)
+    assert final.state == "cancelled" and final.completion_tokens < 3 * 600
+    queue_helpers.wait_until(lambda: engine_requests() == 0, 30, 0.2, "every choice to leave the engine")

@@ -127,3 +127,14 @@ def test_outputs_do_not_depend_on_batch_mates(policy):
     assert policy == "fcfs" or engine.stats.preemptions > 0, "the small KV pool should force preemptions"
     fresh = engine.reset_stats()
     assert fresh.generated_tokens == 240 and engine.stats.generated_tokens == 0
+
+
+def test_n_choices_run_under_their_own_ids_and_a_failing_choice_0_ends_the_held_ones():
+    engine = make_engine(ScriptedExecutor(poison={"bad"}))
+    p, q = prompts(2)
+    out = engine.run([("a", p, SamplingParams(n=3, max_tokens=6, temperature=0), 0),
+                      ("bad", q, SamplingParams(n=2, max_tokens=6, temperature=0), 0)])
+    assert sorted(out) == ["a", "a#1", "a#2", "bad", "bad#1"]
+    assert [out[i].output_token_ids for i in ("a", "a#1", "a#2")] == [expected_output(p, 6)] * 3
+    assert out["bad"].finish_reason == "error" and out["bad#1"].finish_reason == "error"
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()

@@ -113,6 +113,9 @@ def test_logit_bias_reaches_the_sampling_params_as_token_ids():
     params = to_sampling_params(chat(logit_bias=bias))
     assert params.logit_bias == {int(k): v for k, v in bias.items()}
     assert to_sampling_params(chat()).logit_bias == {}
+    from pagedq.config.sampling_params import SamplingParams
+
+    assert SamplingParams(logit_bias={"7": 2}).logit_bias == {7: 2.0}  # a stage's copy comes through JSON
 
 
 @pytest.mark.parametrize("fields, param", [

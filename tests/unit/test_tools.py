@@ -136,3 +136,16 @@ def test_the_response_carries_tool_calls_and_their_finish_reason():
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": city}
     plain = build_response(Completion("j2", "chat", "m", text, [1], 7, "stop"), tokenizer=None)["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": text}
+
+
+def test_answers_that_cannot_be_calls_never_raise():
+    deep = "<tool_call>" + "[" * 100_000
+    assert parse_tool_calls(deep, "auto") == (deep, [])
+    assert parse_tool_calls("[" * 100_000, "required")[1] == []
+    assert parse_tool_calls("{" * 100_000, "function:f")[1] == []
+    surrogate = '<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>'
+    [call] = parse_tool_calls(surrogate, "auto")[1]
+    call["function"]["arguments"].encode("utf-8")  # an escape, not a lone surrogate
+    assert parse_tool_calls('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', "auto")[1] == []
+    as_text = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": \\"\\ud800\\"}"}</tool_call>', "auto")
+    as_text[1][0]["function"]["arguments"].encode("utf-8")

@@ -149,15 +149,20 @@ class LLMEngine:
                                "response_format") from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, meta: SchedulingMeta | None = None, grammar: Grammar | None = None) -> None:
+                    priority: int = 0, meta: SchedulingMeta | None = None, grammar: Grammar | None = None,
+                    choice_grammars: list[Grammar | None] | None = None) -> None:
         """``meta`` (tenant, deadline) places the request among the waiting ones (``Scheduler``); ``priority``
-        is its band.  A constrained request takes ``grammar`` (``grammar_for``), or compiles it here."""
+        is its band.  A constrained request takes ``grammar`` (``grammar_for``) and, with ``n`` > 1, one for
+        each other choice (``choice_grammars``), or compiles them here."""
         self.validate(prompt_token_ids, params)
         if grammar is None:
             grammar = self.grammar_for(params)
+        ids = choice_ids(request_id, params.n)
+        if choice_grammars is None:
+            choice_grammars = [self.grammar_for(params) for _ in ids]
         seq = Sequence(request_id, prompt_token_ids, params, priority, meta, grammar)
-        others = [Sequence(cid, prompt_token_ids, _choice_params(params, i), priority, meta, self.grammar_for(params))
-                  for i, cid in enumerate(choice_ids(request_id, params.n), start=1)]
+        others = [Sequence(cid, prompt_token_ids, _choice_params(params, i), priority, meta, g)
+                  for i, (cid, g) in enumerate(zip(ids, choice_grammars, strict=True), start=1)]
         self._inbox.put(("add", (seq, others)))
 
     def abort_request(self, request_id: str) -> None:
@@ -316,11 +321,14 @@ class LLMEngine:
     # --- conveniences -----------------------------------------------------
     def run(self, requests: list[tuple[str, list[int], SamplingParams, int]],
             on_output: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
-        """Step until every request ``(id, prompt ids, params, priority)`` has finished; final outputs by id."""
+        """Step until every request ``(id, prompt ids, params, priority)`` has finished; final outputs by id
+        (a request's other choices under their own ids, ``choice_id``)."""
+        wanted = set()
         for request_id, prompt, params, priority in requests:
             self.add_request(request_id, prompt, params, priority)
+            wanted.update([request_id, *choice_ids(request_id, params.n)])
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(requests):
+        while not wanted <= finished.keys():
             for out in self.step():
                 if on_output is not None:
                     on_output(out)
