@@ -139,3 +139,17 @@ def test_mask_sets_exactly_the_disallowed_tokens_of_constrained_rows_to_minus_in
     assert torch.equal(masked[0, [5, 31, 95]], logits[0, [5, 31, 95]])
     assert torch.equal(masked[1], logits[1])  # unconstrained: untouched
     assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [0]
+
+
+def test_a_greedy_row_whose_best_token_is_allowed_is_left_unmasked():
+    vocab = 100
+    logits = torch.randn(2, vocab)
+    best = logits.argmax(dim=-1).tolist()
+    other = [(b + 7) % vocab for b in best]
+    seqs = [Sequence("fits", [1], greedy(4), grammar=AllowOnly([best[0], other[0]])),
+            Sequence("does-not", [1], greedy(4), grammar=AllowOnly([other[1]]))]
+    masked = logits.clone()
+    apply_grammar_masks(masked, seqs)
+    assert torch.equal(masked[0], logits[0])  # its argmax is allowed: the masked argmax is the same token
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [other[1]]
+    assert masked.argmax(dim=-1).tolist() == [best[0], other[1]]

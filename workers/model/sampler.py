@@ -55,7 +55,10 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Set to -inf each constrained row's tokens that its grammar does not allow next (rows without a grammar
     are not touched).  The bitmask is int32 ``[rows, ceil(vocab / 32)]``, token t = bit ``t % 32`` of word
-    ``t // 32``, filled on the CPU by each sequence's grammar and applied by xgrammar's kernel."""
+    ``t // 32``, filled on the CPU by each sequence's grammar and applied by xgrammar's kernel.
+
+    A greedy row whose best token the grammar allows is left as it is: the argmax of its masked row is that
+    same token, and applying the mask (a pass over the whole vocabulary) is most of what a grammar costs."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return
@@ -65,6 +68,14 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     bitmask = torch.full((len(seqs), (vocab + 31) // 32), -1, dtype=torch.int32)
     for i in rows:
         seqs[i].grammar.fill(bitmask, i, seqs[i].output_token_ids)
+    greedy = [i for i in rows if seqs[i].params.greedy]
+    if greedy:
+        best = logits[greedy].argmax(dim=-1)
+        allowed = (bitmask[greedy, best // 32] >> (best % 32)) & 1
+        keep = {i for i, ok in zip(greedy, allowed.tolist(), strict=True) if ok}
+        rows = [i for i in rows if i not in keep]
+        if not rows:
+            return
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows)
 
 
