@@ -8,7 +8,7 @@ answer may be:
 - ``"auto"`` (the default when tools are given): text, tool calls, or both;
   the model writes each call as a Hermes block (below), and the blocks that
   parse become the answer's ``tool_calls``.
-- ``"required"``: constrained (``TOOL_CALLS_SCHEMA``) to a JSON array of one
+- ``"required"``: constrained (``tool_constraint``) to a JSON array of one
   or more ``{"name", "arguments"}`` calls of declared functions, arguments
   by each function's ``parameters`` schema (one call when
   ``parallel_tool_calls`` is false).
@@ -28,7 +28,7 @@ templates without tools (SmolLM2's) pagedq writes the Hermes format itself:
 in its assistant message, and each tool result as a user message
 ``<tool_response>...</tool_response>``.
 
-``ToolParsing`` (a short string on the job's messages) tells the result
+``tool_parsing`` (a short string on the job's messages) tells the result
 consumer how the answer's text becomes ``tool_calls``: ``""`` (it does not),
 ``"auto"``, ``"required"`` or ``"function:<name>"``.
 """
@@ -47,12 +47,14 @@ from pagedq.config.constraints import canonical_json
 MAX_TOOLS = 128
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
+NAME_PATTERN = r"^[a-zA-Z0-9_.-]{1,64}$"  # a function's name, declared or called
+_NAME = re.compile(NAME_PATTERN)
 _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]  # ``_NAME``
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # calls follow the schema whenever they are constrained; otherwise as written
@@ -176,9 +178,6 @@ def _call(name: str, arguments: Any) -> dict:
     else:
         text = json.dumps(arguments)
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
-
-
-_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # what ``FunctionSpec.name`` allows
 
 
 def _named_call(item: Any) -> dict | None:

@@ -92,9 +92,14 @@ class Handle:
 
     @property
     def complete(self) -> bool:
-        """Every choice has its final output (or the job failed)."""
-        return self.error is not None or (self.output is not None and
-                                          all(c.output is not None for c in self.others.values()))
+        """Done with the engine: the job failed, choice 0 ended by abort or error (its other choices are of no
+        use), or every choice has its final output."""
+        if self.error is not None:
+            return True
+        if self.output is None:
+            return False
+        return self.output.finish_reason in ("abort", "error") or \
+            all(c.output is not None for c in self.others.values())
 
 
 class EngineService:
@@ -366,7 +371,7 @@ class EngineService:
         except redis.RedisError as e:
             log.warning("could not publish step stats / deltas: %s", e)
         for handle in done:
-            if handle.complete or handle.output is not None and handle.output.finish_reason in ("abort", "error"):
+            if handle.complete:
                 self._release(handle.job.job_id)
 
     def _choice_output(self, handle: Handle, out: RequestOutput, done: list[Handle]) -> None:

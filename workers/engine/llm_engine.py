@@ -257,7 +257,7 @@ class LLMEngine:
             result = ex.collect()
             stepped, finished = self.scheduler.update_from_output(result)
             outputs.extend(self._output(seq, 1) for seq in stepped)
-            for seq in stepped:
+            for seq in stepped if self._held else ():  # requests with n > 1 waiting for their prompt
                 if seq.request_id in self._held and seq.num_computed_tokens >= seq.num_prompt_tokens:
                     self._release_choices(seq)
             for seq in finished:
