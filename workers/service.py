@@ -85,6 +85,11 @@ class Handle:
     others: dict[str, Choice] = field(default_factory=dict)  # engine request id -> choice 1.., in order
 
     @property
+    def seats(self) -> int:
+        """Engine sequences the job holds: one per choice."""
+        return 1 + len(self.others)
+
+    @property
     def generated_tokens(self) -> int:
         """Output tokens of every choice that has finished."""
         outs = [self.output, *(c.output for c in self.others.values())]
@@ -240,7 +245,7 @@ class EngineService:
         polls it before it claims the next job (``gpu_worker.Seats``)."""
         if self._stopping.is_set() or self.engine is None:
             return 0
-        return self.engine.engine.config.max_num_seqs - sum(1 + len(h.others) for h in list(self.handles.values()))
+        return self.engine.engine.config.max_num_seqs - sum(h.seats for h in list(self.handles.values()))
 
     def seats_held(self) -> SeatsHeld | None:
         """The engine's seats and how many of its jobs each tenant holds, for a claim beyond the seats
@@ -252,7 +257,7 @@ class EngineService:
         jobs = [h.job for h in handles]
         held: Counter[str] = Counter()
         for h in handles:  # a job with n choices holds n seats
-            held[h.job.meta.tenant or DEFAULT_TENANT] += 1 + len(h.others)
+            held[h.job.meta.tenant or DEFAULT_TENANT] += h.seats
         return SeatsHeld(self.engine.engine.config.max_num_seqs, dict(held),
                          min((int(j.priority) for j in jobs), default=0))
 
