@@ -149,11 +149,12 @@ class Seats:
     wait (each waits ``timeout_s`` x waiting / ``LOOKAHEAD``): each time-out looks for a job that may take a
     seat, then hands its token on, so a full worker neither churns its tokens nor stops looking.
 
-    Waiters sleep until the engine releases a job (``EngineService.on_seat_freed``), not on a short poll: a
-    worker holds ~100 waiting tokens, and waking each every few milliseconds took CPU and the GIL from the
-    engine (one-token jobs ran ~20% slower with fair dispatch).  ``POLL_S`` is only a safety net."""
+    Waiters sleep until the engine releases a job or starts to drain (``EngineService.on_seat_freed``), not on
+    a short poll: a worker holds ~100 waiting tokens, and waking each every few milliseconds took CPU and the GIL
+    from the engine (one-token jobs ran ~20% slower with fair dispatch).  ``POLL_S`` is only a safety net: every
+    change that can let a waiter in (a job released, a reservation given back, a drain) notifies."""
 
-    POLL_S = 0.5
+    POLL_S = 5.0
 
     def __init__(self, service: EngineService) -> None:
         self.service = service
@@ -186,9 +187,12 @@ class Seats:
             self.reserved -= 1
             self._cond.notify()
 
-    def freed(self) -> None:
+    def freed(self, everyone: bool = False) -> None:
         with self._cond:
-            self._cond.notify()
+            if everyone:
+                self._cond.notify_all()
+            else:
+                self._cond.notify()
 
 
 class BoundJobs:

@@ -19,6 +19,7 @@ someone is streaming, their new text as deltas on the job's Redis stream.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -41,12 +42,14 @@ from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import ReplicaLostError
 from pagedq.workers.engine.llm_engine import RequestOutput, choice_ids
+from pagedq.workers.engine.scheduler import SchedulerStats
 from pagedq.workers.llm import LLM, Generation, feed, finish
 from pagedq.workers.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
 
 IDLE_PUBLISH_S = 2.0
+SLOW_STEP_S = 2.0  # a step that takes longer is logged (INFO) with what it computed
 MAX_FAILED_STEPS = 3  # engine steps failing in a row (not a request's own failure) before the worker gives up
 WEIGHTS_REFRESH_S = 10.0  # how often the engine's fair order re-reads the tenants' weights
 
@@ -123,6 +126,7 @@ class EngineService:
         self.hostname = hostname
         self.handles: dict[str, Handle] = {}
         self.choices: dict[str, Handle] = {}  # engine request id of a job's other choice -> the job's handle
+        self._seats_in_use = 0  # sum of handle.seats over self.handles, kept in step under self._lock
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -131,7 +135,8 @@ class EngineService:
         self.replica_lost = False
         self._failed_steps = 0
         self.metrics = EngineMetrics()  # gpu_worker sets PrometheusEngineMetrics when metrics are on
-        self.on_seat_freed: Callable[[], None] | None = None  # called after a job leaves the engine (fair dispatch)
+        # Called after a job leaves the engine (False), and when the worker starts to drain (True: wake everyone).
+        self.on_seat_freed: Callable[[bool], None] | None = None
         self._weights_read_at = -WEIGHTS_REFRESH_S
 
     # --- called from task / control threads --------------------------------
@@ -173,6 +178,7 @@ class EngineService:
                 handle.done.set()
                 return handle
             self.handles[job.job_id] = handle  # before the engine can produce output for it
+            self._seats_in_use += handle.seats
             self.choices.update(dict.fromkeys(handle.others, handle))
             self.metrics.added(job.job_id, job.meta.tenant)
             self.jobs_received += 1
@@ -181,6 +187,7 @@ class EngineService:
                                         grammar=grammar, choice_grammars=choice_grammars)
             except Exception:
                 del self.handles[job.job_id]
+                self._seats_in_use -= handle.seats
                 for cid in handle.others:
                     del self.choices[cid]
                 raise
@@ -241,11 +248,11 @@ class EngineService:
 
     def free_seats(self) -> int:
         """Jobs the engine could take now without any waiting: ``max_num_seqs`` less the sequences its jobs
-        hold (running or waiting; a job with ``n`` choices holds n); 0 while the worker drains.  Cheap (no lock, no engine call): fair dispatch
-        polls it before it claims the next job (``gpu_worker.Seats``)."""
+        hold (running or waiting; a job with ``n`` choices holds n); 0 while the worker drains.  O(1), no lock,
+        no engine call: fair dispatch checks it before each claim and at each wake-up of a waiting token."""
         if self._stopping.is_set() or self.engine is None:
             return 0
-        return self.engine.engine.config.max_num_seqs - sum(h.seats for h in list(self.handles.values()))
+        return self.engine.engine.config.max_num_seqs - self._seats_in_use
 
     def seats_held(self) -> SeatsHeld | None:
         """The engine's seats and how many of its jobs each tenant holds, for a claim beyond the seats
@@ -265,6 +272,8 @@ class EngineService:
         """Take no new jobs; let running ones finish for up to ``timeout_s``, then ``shutdown``."""
         with self._lock:
             self._stopping.set()
+        if self.on_seat_freed is not None:
+            self.on_seat_freed(True)  # tokens waiting for a seat hand themselves on now
         if timeout_s <= 0 or not self.handles:
             self.shutdown()
             return
@@ -281,6 +290,8 @@ class EngineService:
                 handle.requeue = True
                 self._abort(handle)
         self._wake.set()
+        if self.on_seat_freed is not None:
+            self.on_seat_freed(True)
 
     # --- the stepping thread -------------------------------------------------
     def _run(self, built: Future) -> None:
@@ -325,6 +336,7 @@ class EngineService:
             if self.thread_budget is not None and (n := self.thread_budget.plan()) != torch.get_num_threads():
                 log.info("computing with %d thread(s): other processes use the rest", n)
                 torch.set_num_threads(n)
+            started, before = time.monotonic(), dataclasses.replace(self.engine.engine.stats)
             try:
                 outputs = self.engine.step()
             except ReplicaLostError as e:
@@ -339,7 +351,18 @@ class EngineService:
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
                 continue
             self._failed_steps = 0
+            self._log_slow_step(time.monotonic() - started, before)
             self._dispatch(outputs)
+
+    def _log_slow_step(self, took_s: float, before: SchedulerStats) -> None:
+        """One line per step slower than ``SLOW_STEP_S``: what it computed, and with how many threads."""
+        if took_s < SLOW_STEP_S:
+            return
+        now, sched = self.engine.engine.stats, self.engine.engine.scheduler
+        log.info("slow engine step %d: %.2f s, %d thread(s), %d prompt + %d generated tokens, %d running, "
+                 "%d waiting", now.steps, took_s, torch.get_num_threads(),
+                 now.prompt_tokens_computed - before.prompt_tokens_computed,
+                 now.generated_tokens - before.generated_tokens, len(sched.running), len(sched.waiting))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -413,13 +436,15 @@ class EngineService:
     def _release(self, job_id: str) -> None:
         with self._lock:
             handle = self.handles.pop(job_id, None)
+            if handle is not None:
+                self._seats_in_use -= handle.seats
             for cid in handle.others if handle is not None else ():
                 self.choices.pop(cid, None)
         if handle is not None:
             self.metrics.released(handle)
             handle.done.set()
             if self.on_seat_freed is not None:
-                self.on_seat_freed()
+                self.on_seat_freed(False)
 
     def _release_all(self) -> None:
         for handle in self.snapshot():
