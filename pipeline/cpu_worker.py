@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from celery import Celery
 from celery.exceptions import Reject, Retry
@@ -260,9 +261,23 @@ def yield_cores(nice: int) -> None:
     regions, each as slow as its slowest thread: a preprocessing burst at the same priority that takes one
     of its cores for a time slice stalls every region (a 0.6-s step took 9 s beside a 2,000-line batch's
     preprocessing).  At a lower priority the burst runs in what the engine leaves, and still runs when
-    it leaves nothing (nice weighs, it does not starve)."""
-    if nice > 0 and hasattr(os, "nice"):
-        os.nice(nice)
+    it leaves nothing (nice weighs, it does not starve).
+
+    On Linux with autogroups (``/proc/sys/kernel/sched_autogroup_enabled``, the default on desktops and many
+    servers) the scheduler first shares the CPU equally between sessions, and a process's nice only weighs
+    inside its own session: ``pagedq up`` starts each process in its own session, so a plain ``nice`` did
+    nothing against the engine (measured: the niced CPU worker took 0.84 of a core beside the engine's 1.0
+    while it preprocessed a 2,000-line batch).  So a CPU worker that leads its own session lowers its
+    session's weight too (``/proc/self/autogroup``); one started inside a shared session (a terminal) does
+    not, as that would lower every process of the session."""
+    if nice <= 0 or not hasattr(os, "nice"):
+        return
+    os.nice(nice)
+    if os.getsid(0) == os.getpid():
+        try:
+            Path("/proc/self/autogroup").write_text(str(nice))
+        except OSError:
+            pass  # no autogroups (a container's cgroup, another OS): the plain nice is what weighs
 
 
 def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: str = "INFO") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -57,3 +58,46 @@ def test_a_niced_busy_process_beside_us_does_not_take_a_core():
     print(f"other load {other:.2f} cores without the nice column, {with_nice:.2f} with it; plan {threads}")
     assert with_nice - other >= 0.75, "the niced busy loop (about a core) is left out"
     assert threads == max(1, budget.max_threads - int(other + 0.25))
+
+
+_SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+if sys.argv[2] == "yield":
+    from pagedq.pipeline.cpu_worker import yield_cores
+    yield_cores(10)
+print(open("/proc/self/autogroup").read().strip(), flush=True)
+sys.stdin.readline()  # go
+t0 = os.times()
+end = time.monotonic() + 2.0
+while time.monotonic() < end:
+    pass
+t1 = os.times()
+print(t1.user + t1.system - t0.user - t0.system, flush=True)
+"""
+
+
+def test_a_cpu_worker_in_its_own_session_yields_its_core_to_another_session():
+    """``pagedq up`` starts every process in its own session.  With autogroups the kernel shares a core equally
+    between sessions whatever their processes' nice, so ``yield_cores`` lowers its session's weight too: two
+    busy processes of two sessions on one core, the yielding one gets a small share, not half."""
+    cpu = min(os.sched_getaffinity(0))
+
+    def spin(mode: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", _SPIN, str(cpu), mode], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+    worker, engine = spin("yield"), spin("plain")
+    try:
+        groups = [p.stdout.readline().strip() for p in (worker, engine)]
+        for p in (worker, engine):
+            p.stdin.write("\n")
+            p.stdin.flush()
+        used = [float(p.stdout.readline()) for p in (worker, engine)]
+    finally:
+        for p in (worker, engine):
+            p.kill()
+            p.wait()
+    print(f"autogroups {groups}; CPU s worker {used[0]:.2f}, engine {used[1]:.2f}")
+    assert groups[0].endswith("nice 10") and groups[1].endswith("nice 0")
+    assert used[0] < 0.4 * used[1], "the niced session must not take its equal half of the core"
