@@ -149,7 +149,8 @@ class Settings(BaseSettings):
     cpu_worker_nice: int = Field(10, ge=0, le=19, description="a CPU worker lowers its scheduling priority by this "
                                  "much (nice), so on a host it shares with an engine computing on the CPU, a "
                                  "burst of preprocessing (a batch of thousands of lines) does not slow every "
-                                 "engine step; 0 keeps the priority it was started with")
+                                 "engine step (one leading its own session lowers its Linux autogroup too); 0 keeps the "
+                                 "priority it was started with")
     progress_interval_s: float = Field(2.0, gt=0, description="how often a GPU worker reports tokens so far")
     model_wait_s: float = Field(600, ge=0, description="how long preprocess waits for a worker to serve a model")
     broker_timeout_s: float = Field(10, gt=0, description="a producer call to Redis answers or raises "
