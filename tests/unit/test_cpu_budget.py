@@ -66,7 +66,10 @@ os.sched_setaffinity(0, {int(sys.argv[1])})
 if sys.argv[2] == "yield":
     from pagedq.pipeline.cpu_worker import yield_cores
     yield_cores(10)
-print(open("/proc/self/autogroup").read().strip(), flush=True)
+try:
+    print(open("/proc/self/autogroup").read().strip(), flush=True)
+except OSError:
+    print("no autogroups", flush=True)  # a kernel without them: the plain nice is what must weigh
 sys.stdin.readline()  # go
 t0 = os.times()
 end = time.monotonic() + 2.0
@@ -99,5 +102,6 @@ def test_a_cpu_worker_in_its_own_session_yields_its_core_to_another_session():
             p.kill()
             p.wait()
     print(f"autogroups {groups}; CPU s worker {used[0]:.2f}, engine {used[1]:.2f}")
-    assert groups[0].endswith("nice 10") and groups[1].endswith("nice 0")
+    if groups[0] != "no autogroups":
+        assert groups[0].endswith("nice 10") and groups[1].endswith("nice 0")
     assert used[0] < 0.4 * used[1], "the niced session must not take its equal half of the core"
