@@ -19,7 +19,6 @@ someone is streaming, their new text as deltas on the job's Redis stream.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -42,7 +41,6 @@ from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import ReplicaLostError
 from pagedq.workers.engine.llm_engine import RequestOutput, choice_ids
-from pagedq.workers.engine.scheduler import SchedulerStats
 from pagedq.workers.llm import LLM, Generation, feed, finish
 from pagedq.workers.metrics import EngineMetrics
 
@@ -336,7 +334,8 @@ class EngineService:
             if self.thread_budget is not None and (n := self.thread_budget.plan()) != torch.get_num_threads():
                 log.info("computing with %d thread(s): other processes use the rest", n)
                 torch.set_num_threads(n)
-            started, before = time.monotonic(), dataclasses.replace(self.engine.engine.stats)
+            stats = self.engine.engine.stats
+            started, before = time.monotonic(), (stats.prompt_tokens_computed, stats.generated_tokens)
             try:
                 outputs = self.engine.step()
             except ReplicaLostError as e:
@@ -354,15 +353,15 @@ class EngineService:
             self._log_slow_step(time.monotonic() - started, before)
             self._dispatch(outputs)
 
-    def _log_slow_step(self, took_s: float, before: SchedulerStats) -> None:
-        """One line per step slower than ``SLOW_STEP_S``: what it computed, and with how many threads."""
+    def _log_slow_step(self, took_s: float, before: tuple[int, int]) -> None:
+        """One line per step slower than ``SLOW_STEP_S``: what it computed (``before``: the prompt and generated
+        token counters when it started), and with how many threads."""
         if took_s < SLOW_STEP_S:
             return
         now, sched = self.engine.engine.stats, self.engine.engine.scheduler
         log.info("slow engine step %d: %.2f s, %d thread(s), %d prompt + %d generated tokens, %d running, "
-                 "%d waiting", now.steps, took_s, torch.get_num_threads(),
-                 now.prompt_tokens_computed - before.prompt_tokens_computed,
-                 now.generated_tokens - before.generated_tokens, len(sched.running), len(sched.waiting))
+                 "%d waiting", now.steps, took_s, torch.get_num_threads(), now.prompt_tokens_computed - before[0],
+                 now.generated_tokens - before[1], len(sched.running), len(sched.waiting))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         pipe = self.r.pipeline(transaction=False)
