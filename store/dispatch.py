@@ -67,6 +67,11 @@ local function enqueue(e)
   redis.call('ZADD', e.prefix .. 'band:' .. e.priority .. ':' .. e.tenant, e.deadline, e.member)
   redis.call('SADD', e.prefix .. 'tenants:' .. e.priority, e.tenant)
 end
+local function give_back(vtc, weights, tenant, tokens)
+  local w = tonumber(redis.call('HGET', weights, tenant) or '1')
+  if w == nil or w <= 0 then w = 1 end
+  redis.call('HSET', vtc, tenant, fmt(tonumber(redis.call('HGET', vtc, tenant) or '0') - tokens / w))
+end
 local function unqueue(prefix, priority, tenant, member)
   local band = prefix .. 'band:' .. priority .. ':' .. tenant
   if redis.call('ZREM', band, member) == 0 then return false end
@@ -185,9 +190,11 @@ end
 return id
 """
 
-# KEYS: the slot, fair index. ARGV: slot name, job-key prefix, fair-message prefix, the job expected ('' = any).
-# The job ended.  A slot bound to another job meanwhile is left alone.
-_UNBIND = """
+# KEYS: the slot, fair index, the model's counters, tenant weights. ARGV: slot name, job-key prefix,
+# fair-message prefix, the job expected ('' = any), its tenant, output tokens to give back (refunded whatever the
+# slot holds).  The job ended.  A slot bound to another job meanwhile is left alone.
+_UNBIND = _LIB + """
+if tonumber(ARGV[6]) > 0 then give_back(KEYS[3], KEYS[4], ARGV[5], tonumber(ARGV[6])) end
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
 if ARGV[4] ~= '' and id ~= ARGV[4] then return false end
@@ -215,10 +222,7 @@ return 1
 
 # KEYS: the model's counters, tenant weights. ARGV: tenant, output tokens to give back.
 _REFUND = _LIB + """
-local w = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '1')
-if w == nil or w <= 0 then w = 1 end
-local c = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-redis.call('HSET', KEYS[1], ARGV[1], fmt(c + (-tonumber(ARGV[2])) / w))
+give_back(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]))
 return 1
 """
 
@@ -303,12 +307,14 @@ class FairDispatch:
         n = self.names
         return self._release(keys=[n.slot(slot), n.fair_index], args=[slot, self._job_prefix, self._message_prefix])
 
-    def unbind(self, slot: str, job_id: str | None = None) -> None:
+    def unbind(self, slot: str, job_id: str | None = None, model: str = "", tenant: str = "",
+               refund: int = 0) -> None:
         """The job bound to ``slot`` ended: forget the binding, its index entry and its message.  With ``job_id``,
-        only if the slot is still bound to that job (a slot rebound to another job keeps it)."""
+        only if the slot is still bound to that job (a slot rebound to another job keeps it).  With ``refund`` >
+        0, in the same call: ``refund(model, tenant, refund)``."""
         n = self.names
-        self._unbind(keys=[n.slot(slot), n.fair_index],
-                     args=[slot, self._job_prefix, self._message_prefix, job_id or ""])
+        self._unbind(keys=[n.slot(slot), n.fair_index, n.vtc(model), n.tenant_weights],
+                     args=[slot, self._job_prefix, self._message_prefix, job_id or "", tenant, max(int(refund), 0)])
 
     def remove(self, job_id: str) -> bool:
         """Take a waiting job out of its fair queue (with its message); False if it was not waiting."""

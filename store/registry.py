@@ -52,6 +52,12 @@ def live_workers(r: redis.Redis, names: Names) -> dict[str, dict[str, str]]:
     return {key[len(prefix):]: rec for key, rec in zip(keys, pipe.execute(), strict=True) if rec}
 
 
+def gpu_workers_serving(r: redis.Redis, names: Names, model: str) -> set[str]:
+    """Hostnames of the live GPU workers serving ``model`` (ready or still loading)."""
+    return {host for host, rec in live_workers(r, names).items()
+            if rec.get("role") == "gpu" and rec.get("model") == model}
+
+
 def renewed_records(r: redis.Redis, names: Names, hostnames: list[str], within_s: float,
                     poll_s: float = 0.25) -> set[str]:
     """The workers among ``hostnames`` whose record is renewed within ``within_s`` seconds from now (its TTL

@@ -71,7 +71,7 @@ from pagedq.store import control
 from pagedq.store.connection import broker_url, redis_client
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore
-from pagedq.store.registry import register_model
+from pagedq.store.registry import gpu_workers_serving, register_model
 from pagedq.workers.celery_worker import run_celery_worker
 from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.llm import LLM
@@ -219,13 +219,34 @@ class BoundJobs:
         return list(pending.items())
 
 
+class Peers:
+    """Whether another live GPU worker serves this worker's model, read from the worker records at most every
+    ``TTL_S`` (a worker started later is seen within that): a token a full worker times out on is handed on
+    only if some other worker could take it."""
+
+    TTL_S = 5.0
+
+    def __init__(self, r: redis.Redis, names: Names, model: str, hostname: str) -> None:
+        self.r, self.names, self.model, self.hostname = r, names, model, hostname
+        self._others = False
+        self._until = 0.0
+
+    def any_other(self) -> bool:
+        now = time.monotonic()
+        if now >= self._until:  # two threads may both read: harmless
+            self._others = bool(gpu_workers_serving(self.r, self.names, self.model) - {self.hostname})
+            self._until = now + self.TTL_S
+        return self._others
+
+
 @dataclass
 class Dispatch:
     """What the dispatch task needs besides the engine: the fair queues, this worker's seats, and the tokens
-    that bound a job (for Flower)."""
+    that bound a job (for Flower), and whether other workers serve the model."""
 
     fair: FairDispatch
     seats: Seats
+    peers: Peers
     room_wait_s: float = ROOM_WAIT_S
     bound: BoundJobs = field(default_factory=BoundJobs)
 
@@ -251,17 +272,8 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
         if bound is not None:  # bound by a holder that is gone (its restore did not release it): back in line
             d.fair.release(token.slot)
         job, reserved = take_beyond(token, self.request.hostname), False
-        if job is None:
-            if not d.seats.reserve(d.room_wait_s):
-                job = take_beyond(token, self.request.hostname)
-                if job is None:
-                    # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent
-                    # before this one is acknowledged: a kill in between leaves two tokens for one job, and the
-                    # spare finds nothing.  Not Reject(requeue=True): Celery logs each with a traceback, and a
-                    # full worker hands on several a second.
-                    send_dispatch_token(self.app, token.model, token.priority)  # a fresh slot: never two on one
-                    return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
-            else:
+        while job is None:
+            if d.seats.reserve(d.room_wait_s):
                 reserved = True
                 try:
                     job = d.fair.claim(service.engine.model_name, self.request.hostname, token.slot)
@@ -271,6 +283,17 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                 if job is None:
                     d.seats.unreserve()
                     return {"slot": token.slot, "job_id": None, "skipped": "no job waiting"}
+                break
+            job = take_beyond(token, self.request.hostname)
+            if job is None and (service.draining or d.peers.any_other()):
+                # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent
+                # before this one is acknowledged: a kill in between leaves two tokens for one job, and the
+                # spare finds nothing.  Not Reject(requeue=True): Celery logs each with a traceback, and a
+                # full worker hands on several a second.  With no other worker serving the model the token
+                # stays and waits again: handing it on would only bring it back here, a message round trip
+                # each (~0.2 per job on a full worker's backlog).
+                send_dispatch_token(self.app, token.model, token.priority)  # a fresh slot: never two on one
+                return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
         d.bound.add(self.request.id, job.job_id)  # Flower learns it from the next progress report
         running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
         try:
@@ -342,9 +365,8 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
 
     def end_bound(job: GenerateJob, slot: str, generated: int) -> None:
         """The job ended (or was sent to postprocess): forget its binding, give back the output it did not use."""
-        d.fair.unbind(slot, job.job_id)
         tenant = getattr(getattr(job, "meta", None), "tenant", None) or "default"
-        d.fair.refund(job.model, tenant, max(job.params.max_output_tokens - generated, 0))
+        d.fair.unbind(slot, job.job_id, job.model, tenant, max(job.params.max_output_tokens - generated, 0))
 
     return dispatch
 
@@ -551,7 +573,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     app = make_celery(settings, url)
     store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts, settings.send_grace_s)
     register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
-    dispatch = Dispatch(FairDispatch(r, names), Seats(service))
+    dispatch = Dispatch(FairDispatch(r, names), Seats(service), Peers(r, names, engine.model_name, hostname))
     register_dispatch(app, service, store, names, dispatch)
     ControlListener(r, names, control.configured_secret(settings), service, hostname).start()
     ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s, settings.fair_share,

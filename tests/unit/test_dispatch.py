@@ -257,6 +257,29 @@ def test_refund_gives_back_unused_output_divided_by_weight(redis, names, dispatc
     assert dispatch.counters(MODEL)["heavy"] == 38.0
 
 
+def test_unbind_with_a_refund_gives_back_the_output_in_the_same_call(redis, names, dispatch):
+    redis.hset(names.tenant_weights, "heavy", "4.0")
+    prompt, max_tokens = random.randint(1, 200), random.randint(8, 200)
+    unused = random.randint(1, max_tokens)
+    jobs = [_job(SchedulingMeta("heavy", 5, None, float(i)), prompt=prompt, max_tokens=max_tokens) for i in range(2)]
+    _create_records(redis, names, jobs)
+    for job in jobs:
+        dispatch.push(job)
+    bound = dispatch.claim(MODEL, "w", "s1")
+    charged = dispatch.counters(MODEL)["heavy"]
+    assert charged == (prompt + max_tokens) / 4.0
+    dispatch.unbind("s1", bound.job_id, MODEL, "heavy", unused)
+    assert dispatch.bound_job("s1") is None
+    assert redis.hget(names.fair_index, bound.job_id) is None
+    assert dispatch.counters(MODEL)["heavy"] == charged - unused / 4.0
+    # A slot rebound to another job keeps its binding; the ended job's refund is still given back.
+    other = dispatch.claim(MODEL, "w", "s1")
+    after = dispatch.counters(MODEL)["heavy"]
+    dispatch.unbind("s1", bound.job_id, MODEL, "heavy", unused)
+    assert dispatch.bound_job("s1") == other.job_id
+    assert dispatch.counters(MODEL)["heavy"] == after - unused / 4.0
+
+
 def test_two_concurrent_claimers_never_share_a_job(redis_url, names):
     from pagedq.store.connection import redis_client
 

@@ -230,3 +230,28 @@ def test_a_worker_record_that_expired_comes_back_whole_with_its_ttl(redis, names
     assert {k: record[k] for k in ("role", "model", "pid", "ready")} == {"role": "gpu", "model": "m", "pid": pid,
                                                                          "ready": "1"}
     assert 0 < redis.ttl(key) <= 5
+
+
+def test_a_worker_hands_tokens_on_only_when_another_live_gpu_worker_serves_its_model(redis, names, monkeypatch):
+    """``Peers``: the live GPU workers of the same model other than this one, from the worker records; a CPU worker,
+    another model's worker or an expired record does not count; a peer started later is seen within ``TTL_S``."""
+    from pagedq.store.registry import Heartbeat, gpu_workers_serving
+    from pagedq.workers.gpu_worker import Peers
+
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    me, peer = (f"gpu-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    Heartbeat(redis, names.worker(me), {"role": "gpu", "model": model}, ttl_s=30)
+    Heartbeat(redis, names.worker(f"cpu-{uuid.uuid4().hex[:6]}"), {"role": "cpu"}, ttl_s=30)
+    Heartbeat(redis, names.worker(f"gpu-{uuid.uuid4().hex[:6]}"), {"role": "gpu", "model": model + "-x"}, ttl_s=30)
+    monkeypatch.setattr(Peers, "TTL_S", 0.5)
+    peers = Peers(redis, names, model, me)
+    assert gpu_workers_serving(redis, names, model) == {me}
+    assert peers.any_other() is False
+    Heartbeat(redis, names.worker(peer), {"role": "gpu", "model": model}, ttl_s=30)
+    assert peers.any_other() is False  # read again only after TTL_S
+    time.sleep(0.6)
+    assert peers.any_other() is True
+    assert gpu_workers_serving(redis, names, model) == {me, peer}
+    redis.delete(names.worker(peer))  # its record expired
+    time.sleep(0.6)
+    assert peers.any_other() is False
