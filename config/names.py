@@ -288,6 +288,11 @@ class Names:
         """Hash with a short TTL: a live worker's role, pid, readiness and engine stats."""
         return f"{self.key_prefix}worker:{hostname}"
 
+    def kv_blocks(self, model: str, hostname: str) -> str:
+        """Set with the worker's TTL: the hex names (``workers/engine/block_hash``) of the blocks in a GPU worker's
+        prefix cache, kept in step by the worker each engine step (with ``PAGEDQ_PLACEMENT``)."""
+        return f"{self.key_prefix}kv:{model_slug(model)}:{hostname}"
+
     @property
     def worker_pattern(self) -> str:
         return f"{self.key_prefix}worker:*"

@@ -133,6 +133,9 @@ class Settings(BaseSettings):
                              "(priority band, then the least-served tenant, then deadline and arrival) and a GPU "
                              "worker claims the next one when it has room; false = kombu's arrival order per "
                              "priority (store/dispatch.py, docs/queue.md)")
+    placement: bool = Field(False, description="cache-aware placement (issue 20, being built): each GPU worker "
+                            "keeps the names of its prefix cache's blocks in Redis (kv:<model>:<worker>), so a "
+                            "job can be placed where its prompt's prefix is cached; false = workers pull blindly")
     batch_priority: int | None = Field(None, ge=0, le=9, description="priority of batch jobs (Batches API, "
                                        "submit_batch, run-batch) whose line sets none; unset = default_priority")
     max_attempts: int = Field(3, ge=1, description="starts of a job whose worker dies each time before it "

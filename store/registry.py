@@ -26,6 +26,7 @@ class ModelInfo:
     queue: str
     path: str = ""  # the worker's local Hugging Face folder (tokenizer); CPU workers on its host reuse it
     updated_at: float = 0.0
+    block_size: int = 0  # the KV cache's tokens per block (0: not known), for the prompt's block names
 
 
 def register_model(r: redis.Redis, names: Names, info: ModelInfo) -> None:
@@ -39,7 +40,7 @@ def lookup_model(r: redis.Redis, names: Names, model: str) -> ModelInfo | None:
         return None
     return ModelInfo(name=raw["name"], fingerprint=raw["fingerprint"], max_model_len=int(raw["max_model_len"]),
                      vocab_size=int(raw["vocab_size"]), queue=raw["queue"], path=raw.get("path", ""),
-                     updated_at=float(raw.get("updated_at", 0)))
+                     updated_at=float(raw.get("updated_at", 0)), block_size=int(raw.get("block_size", 0)))
 
 
 def live_workers(r: redis.Redis, names: Names) -> dict[str, dict[str, str]]:

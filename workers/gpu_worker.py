@@ -566,7 +566,8 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     hostname = hostname or worker_hostname("gpu")
     service = EngineService(lambda: LLM(settings, model), r, names, hostname, settings.result_ttl_s,
                             on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),  # warm shutdown
-                            worker_ttl_s=settings.worker_ttl_s, thread_budget=thread_budget(settings))
+                            worker_ttl_s=settings.worker_ttl_s, thread_budget=thread_budget(settings),
+                            publish_cache=settings.placement)
     engine = service.start()  # built on the thread that will step it (see service.py)
     service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
     register_model(r, names, model_info(engine, names))

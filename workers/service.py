@@ -47,6 +47,7 @@ from pagedq.workers.metrics import EngineMetrics
 log = logging.getLogger(__name__)
 
 IDLE_PUBLISH_S = 2.0
+CACHE_RESYNC_S = 60.0  # the prefix cache's set in Redis is rewritten whole at least this often (placement)
 SLOW_STEP_S = 2.0  # a step that takes longer is logged (INFO) with what it computed
 MAX_FAILED_STEPS = 3  # engine steps failing in a row (not a request's own failure) before the worker gives up
 WEIGHTS_REFRESH_S = 10.0  # how often the engine's fair order re-reads the tenants' weights
@@ -55,7 +56,8 @@ WEIGHTS_REFRESH_S = 10.0  # how often the engine's fair order re-reads the tenan
 def model_info(engine: LLM, names: Names) -> ModelInfo:
     """What a worker registers for its model (the result cache keys on the fingerprint)."""
     return ModelInfo(engine.model_name, engine.fingerprint, engine.max_model_len, engine.cfg.vocab_size,
-                     names.generate_queue(engine.model_name), str(engine.model_path))
+                     names.generate_queue(engine.model_name), str(engine.model_path),
+                     block_size=engine.engine.config.block_size)
 
 
 @dataclass
@@ -111,8 +113,11 @@ class Handle:
 class EngineService:
     def __init__(self, make_engine: Callable[[], LLM], client: redis.Redis, names: Names, hostname: str,
                  result_ttl_s: int = 3600, on_replica_lost=None, worker_ttl_s: int = 15,
-                 thread_budget: ThreadBudget | None = None) -> None:
+                 thread_budget: ThreadBudget | None = None, publish_cache: bool = False) -> None:
         self._make_engine = make_engine
+        self.publish_cache = publish_cache  # keep names.kv_blocks in step with the prefix cache (placement)
+        self._cache_pool: object | None = None  # the BlockManager whose cache the set holds whole, or None
+        self._cache_written_at = 0.0
         self.thread_budget = thread_budget  # None: the thread count stays as configured
         self.engine: LLM | None = None  # built by the stepping thread in ``start``
         self._calls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
@@ -396,6 +401,7 @@ class EngineService:
         try:
             pipe.execute()
         except redis.RedisError as e:
+            self.publish_failed()
             log.warning("could not publish step stats / deltas: %s", e)
         for handle in done:
             if handle.complete:
@@ -476,8 +482,35 @@ class EngineService:
         key = self.names.worker(self.hostname)
         target.hset(key, mapping=stats)
         target.expire(key, self.worker_ttl_s)
+        if self.publish_cache:
+            self._publish_cache(target)
         if pipe is None:
             try:
                 target.execute()
             except redis.RedisError as err:
+                self.publish_failed()
                 log.warning("could not publish worker stats: %s", err)
+
+    def _publish_cache(self, pipe) -> None:
+        """The prefix cache's block names into ``names.kv_blocks``: the whole set when the pool is new (start,
+        reload: new weights name every block anew), after a publish failed, and every ``CACHE_RESYNC_S`` (a
+        Redis that restarted lost it); else each step's changes.  Same TTL as the worker's record, so a dead
+        worker's set goes with it."""
+        pool = self.engine.block_manager
+        key = self.names.kv_blocks(self.engine.model_name, self.hostname)
+        if pool is not self._cache_pool or time.monotonic() - self._cache_written_at > CACHE_RESYNC_S:
+            pool.track_changes()
+            self._cache_pool, self._cache_written_at = pool, time.monotonic()
+            pipe.delete(key)
+            cached, evicted = list(pool.cached), []
+        else:
+            cached, evicted = pool.take_changes()
+        if evicted:
+            pipe.srem(key, *(h.hex() for h in evicted))
+        if cached:
+            pipe.sadd(key, *(h.hex() for h in cached))
+        pipe.expire(key, self.worker_ttl_s)
+
+    def publish_failed(self) -> None:
+        """A step's publish did not reach Redis: the next one writes the cache's set whole."""
+        self._cache_pool = None

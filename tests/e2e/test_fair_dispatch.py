@@ -32,7 +32,9 @@ from pagedq.pipeline import Client
 from pagedq.pipeline.local.stack import settings_env
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.lost_jobs import LostJobSweep
+from pagedq.store.registry import lookup_model
 from pagedq.store.transport import slot_of
+from pagedq.workers.engine.block_hash import cache_key, prefix_hashes
 from pagedq.workers.processes import free_port
 
 TIMEOUT = 180
@@ -43,7 +45,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def settings(redis_url) -> Settings:
     return Settings(broker_url=redis_url, key_prefix="pfd:", queue_prefix="pfd.", result_cache=False,
                     kv_cache_memory="256MiB", progress_interval_s=0.5, fair_share=True, max_num_seqs=2,
-                    worker_ttl_s=6, drain_timeout_s=1, send_grace_s=5)
+                    placement=True, worker_ttl_s=6, drain_timeout_s=1, send_grace_s=5)
 
 
 def tenant_client(settings: Settings, stack, name: str) -> Client:
@@ -220,13 +222,30 @@ def completed_once_on(worker, client: Client, counter: DoneCounter, jobs: list[s
     assert all(client.status(j).worker == worker.hostname for j in running)
 
 
+def test_a_worker_keeps_the_names_of_its_cached_blocks_in_redis(settings, stack, client):
+    """With ``PAGEDQ_PLACEMENT``: the blocks of a prompt the worker computed are in its set, under the names the
+    CPU side computes from the prompt's token ids and the registered model (``block_hash``)."""
+    info = lookup_model(client.r, client.names, settings.model)
+    prompt = [random.randint(100, 30000) for _ in range(random.randint(40, 90))]
+    job = client.submit(prompt=prompt, max_tokens=4, **GREEDY)
+    client.result(job, timeout=TIMEOUT)
+    names = {h.hex() for h in prefix_hashes(prompt, info.block_size, cache_key(settings.model, info.fingerprint))}
+    assert info.block_size > 0 and len(names) == (len(prompt) - 1) // info.block_size >= 2
+    key = client.names.kv_blocks(settings.model, client.status(job).worker)
+    wait_until(lambda: names <= client.r.smembers(key), 10, what="the prompt's blocks in the worker's set")
+    assert 0 < client.r.ttl(key) <= settings.worker_ttl_s
+
+
 def test_kill_9_of_the_gpu_worker_every_bound_job_completes_once(settings, stack, client):
     counter = DoneCounter(client.r, client.names)
     jobs, running = submit_and_wait_running(client, 5, 48)
     victim = gpu_workers(stack)[0]
+    kv = client.names.kv_blocks(settings.model, victim.hostname)
+    assert client.r.scard(kv) > 0, "the worker's cache is known while it runs"
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait()
     stack.children.remove(victim)
+    wait_until(lambda: not client.r.exists(kv), settings.worker_ttl_s + 5, what="the dead worker's cache set gone")
     fresh = stack.add_worker("gpu")
     completed_once_on(fresh, client, counter, jobs, running, tokens=48)
     assert all(client.status(j).attempts == 2 for j in running), "a lost worker counts an attempt"

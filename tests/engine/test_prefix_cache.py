@@ -7,6 +7,7 @@ import random
 from engine_fixtures import fresh_engine, greedy, sharegpt_prompts
 
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.engine.block_hash import cache_key, prefix_hashes
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.sequence import Sequence
 
@@ -140,3 +141,55 @@ def test_aborting_a_request_ends_its_held_choices():
         outs.update((o.request_id, o) for o in eng.step())
     assert sorted(outs) == ["r", "r#1", "r#2"]
     assert all(o.finished and o.finish_reason == "abort" for o in outs.values())
+
+
+def test_the_cpu_side_names_a_prompts_blocks_as_the_engine_does():
+    """``prefix_hashes`` (what the CPU worker can compute from a prompt's token ids) is the chain the engine's
+    prefix cache files the prompt's blocks under: the blocks a repeat of the prompt finds cached."""
+    for _ in range(40):
+        block_size = random.choice([4, 16])
+        key = cache_key("some/model", f"{random.getrandbits(64):016x}")
+        prompt = [random.randint(1, 49151) for _ in range(random.randint(1, 120))]
+        names = prefix_hashes(prompt, block_size, key)
+        assert len(names) == (len(prompt) - 1) // block_size
+        bm = BlockManager(num_blocks=64, block_size=block_size, extra_key=key)
+        first = Sequence("1", prompt, SamplingParams())
+        assert bm.find_cached_prefix(first) == []
+        assert first.block_hashes == names
+        assert bm.allocate(first, first.num_tokens)
+        first.num_computed_tokens = first.num_tokens
+        bm.cache_full_blocks(first)
+        assert set(names) <= set(bm.cached)
+        assert len(bm.find_cached_prefix(Sequence("2", prompt, SamplingParams()))) == len(names)
+        limit = random.randint(0, 5)
+        assert prefix_hashes(prompt, block_size, key, limit) == names[:limit]
+        other = prefix_hashes(prompt, block_size, cache_key("some/model", "other-weights"))
+        assert not set(other) & set(names)
+
+
+def test_the_cache_changes_a_worker_publishes_keep_a_copy_equal_to_the_cache():
+    """``take_changes`` after each step, applied to a copy (as the worker's Redis set is), leaves the copy equal
+    to the prefix cache through allocations, frees and LRU evictions."""
+    bm = BlockManager(num_blocks=12, block_size=4, extra_key="m")
+    bm.track_changes()
+    copy: set[bytes] = set()
+    live: list[Sequence] = []
+    evicted_seen = 0
+    for step in range(300):
+        if live and (len(live) > 3 or random.random() < 0.4):
+            bm.free_sequence(live.pop(random.randrange(len(live))))
+        else:
+            prefix = random.choice([[7, 8, 9, 10, 11, 12, 13, 14], [21, 22, 23, 24], []])
+            seq = Sequence(str(step), prefix + [random.randint(100, 999) for _ in range(random.randint(1, 10))],
+                           SamplingParams())
+            hit = bm.find_cached_prefix(seq)
+            if bm.allocate(seq, seq.num_tokens - len(hit) * 4, hit):
+                seq.num_computed_tokens = seq.num_tokens
+                bm.cache_full_blocks(seq)
+                live.append(seq)
+        cached, evicted = bm.take_changes()
+        assert not set(cached) & set(evicted)
+        evicted_seen += len(evicted)
+        copy = (copy - set(evicted)) | set(cached)
+        assert copy == set(bm.cached)
+    assert evicted_seen > 0, "the pool is small enough that cached blocks were evicted"

@@ -1,7 +1,7 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks and who holds them.
 
 Prefix caching: a full block is named by a hash chain over the tokens up to
-its end (parent hash, its own token ids, the model's identity).  When a
+its end (parent hash, its own token ids, the model's identity: ``block_hash``).  When a
 sequence finishes, its full blocks stay in the pool with reference count 0,
 still findable by hash, in LRU order; a new sequence whose prompt starts with
 the same tokens takes them instead of recomputing.  Allocation reuses blocks
@@ -10,10 +10,10 @@ that hold nothing first, then evicts the least recently used cached block.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedq.workers.engine.block_hash import extend_hashes
 from pagedq.workers.engine.sequence import Sequence
 
 
@@ -22,13 +22,6 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None  # set once the block is full and registered in the prefix cache
-
-
-def hash_block(parent: bytes | None, token_ids: list[int], extra_key: str) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or extra_key.encode())
-    h.update(b",".join(str(t).encode() for t in token_ids))
-    return h.digest()
 
 
 class BlockManager:
@@ -41,6 +34,8 @@ class BlockManager:
         # Blocks with ref_count 0. Front = reused first: empty blocks, then cached ones from least recent.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
+        # With track_changes(): block hash -> True (cached) / False (evicted) since the last take_changes().
+        self.changes: dict[bytes, bool] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -60,10 +55,19 @@ class BlockManager:
     # --- prefix cache -----------------------------------------------------
     def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.block_hashes`` over its full blocks among the first ``num_tokens`` tokens."""
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], self.extra_key))
+        extend_hashes(seq.block_hashes, seq.token_ids, num_tokens, self.block_size, self.extra_key)
+
+    def track_changes(self) -> None:
+        """From now on, record which blocks enter and leave the prefix cache (for ``take_changes``)."""
+        self.changes = {}
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(cached, evicted): the block hashes whose presence in the prefix cache changed since the last call,
+        each in its latest state (a block cached then evicted in between is only evicted)."""
+        if not self.changes:
+            return [], []
+        changes, self.changes = self.changes, {}
+        return [h for h, c in changes.items() if c], [h for h, c in changes.items() if not c]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence that has nothing computed yet.
@@ -91,6 +95,8 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self.cached:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block_id
+                if self.changes is not None:
+                    self.changes[block_hash] = True
 
     # --- allocation -------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
@@ -121,6 +127,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict it from the prefix cache
             del self.cached[block.block_hash]
+            if self.changes is not None:
+                self.changes[block.block_hash] = False
             block.block_hash = None
         block.ref_count = 1
         return block_id

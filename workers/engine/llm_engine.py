@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pagedq.config.messages import RequestError, check_context, check_logit_bias
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.config.scheduling import SchedulingMeta
+from pagedq.workers.engine.block_hash import cache_key
 from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import Executor, ReplicaLostError
 from pagedq.workers.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -86,7 +87,7 @@ class LLMEngine:
         self.config = config
         self.executor = executor
         self.block_manager = BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          extra_key=f"{config.model_name}:{config.fingerprint}")
+                                          extra_key=cache_key(config.model_name, config.fingerprint))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, config.eos_token_ids, config.max_model_len)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -346,7 +347,7 @@ class LLMEngine:
             old = self.scheduler
             self.block_manager = BlockManager(executor.num_blocks, self.config.block_size,
                                               self.config.enable_prefix_caching,
-                                              extra_key=f"{self.config.model_name}:{fingerprint}")
+                                              extra_key=cache_key(self.config.model_name, fingerprint))
             self.scheduler = Scheduler(self.block_manager, old.max_num_seqs, old.max_num_batched_tokens,
                                        old.policy, old.eos_token_ids, old.max_model_len, old.counters)
             self.scheduler.stats = old.stats
