@@ -137,6 +137,20 @@ class FairQueue(Generic[K]):
         choice = self._choose(only)
         return None if choice is None else choice[2][0][3]
 
+    def candidates(self, k: int, per_tenant: int = 2) -> list[K]:
+        """The first ``k`` keys of the highest band in the fleet order, at most ``per_tenant`` of each tenant:
+        tenants by counter (ties: the earliest head), each tenant's keys in its own order.  What placement
+        chooses among (``fleet.placement``)."""
+        if not self._bands:
+            return []
+        tenants = self._bands[max(self._bands)]
+        keys: list[K] = []
+        for tenant in sorted(tenants, key=lambda t: (self.counters.get(t), tenants[t][0][:3])):
+            keys += [entry[3] for entry in heapq.nsmallest(per_tenant, tenants[tenant])]
+            if len(keys) >= k:
+                break
+        return keys[:k]
+
     def pop(self) -> K | None:
         """Remove and return the next key in the fleet order, or None when nothing waits."""
         choice = self._choose()

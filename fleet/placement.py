@@ -1,0 +1,123 @@
+"""Which worker runs a job: the one holding its prompt's longest cached prefix, weighed against load.
+
+Each GPU worker's prefix cache is known by the names of its blocks (``workers/engine/block_hash``), and each
+waiting job by the names of its prompt's blocks.  The cost of job J on worker w, in tokens (NVIDIA Dynamo's
+router): the prompt tokens w would compute, past the longest run of J's leading blocks that w holds, plus
+``load_weight`` x the tokens w already has to compute::
+
+    cost(J, w) = prompt_tokens(J) - block_size x matched(J, w) + load_weight x load_tokens(w)
+
+Placement stays a *pull*: a worker X with a free seat asks for a job, and ``decide`` picks, among the first
+jobs of the fleet order (``FairQueue.candidates``: the highest band only, tenants by counter), the first X
+may take:
+
+- no live worker holds any of J's blocks: anyone may (blind pull, ``by_load``);
+- X costs at most ``slack_tokens`` more than every other live worker with a free seat (``by_cache`` when X
+  holds part of J, else ``by_load``): a hot prefix spreads once its worker is loaded or full;
+- J has waited ``steal_s`` (``stolen``): a job whose worker died, drains or is busy runs elsewhere.
+
+When X may take none, nothing changes hands: X is told which worker to nudge (the cheapest for the first
+candidate, once per job) and when to ask again (the soonest a candidate may be stolen).  Strict priority is
+kept (only the highest band is looked at), and within it the fleet order restricted to what X may take now.
+
+Plain Python, no I/O: the oracle the Redis claim (``store/dispatch.py``) is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    block_size: int = 16
+    load_weight: float = 1.0
+    slack_tokens: float = 32.0
+    steal_s: float = 0.5
+    candidates: int = 8  # jobs of the fleet order looked at per claim
+    per_tenant: int = 2  # of them, at most this many per tenant
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A live GPU worker as placement sees it: its prefix cache's block names, the tokens it has yet to compute
+    (queued and running, and claimed since it last said), and its free seats."""
+
+    name: str
+    cached: Collection[str]
+    load_tokens: float = 0.0
+    free_seats: int = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A waiting job: its prompt's block names (leading blocks, at most a bound), its prompt length, since when
+    it waits (the Redis clock), and the worker it was nudged to, if any."""
+
+    key: str
+    blocks: Sequence[str]
+    prompt_tokens: int
+    since: float
+    nudged: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    key: str | None  # the job to take, or None: take nothing now
+    reason: str  # by_cache, by_load, stolen; or skipped
+    nudge: str | None = None  # with skipped: a worker to send a token to (None: nudged already, or nobody)
+    retry_in: float = 0.0  # with skipped: seconds until a candidate may be stolen
+
+
+def matched(blocks: Sequence[str], cached: Collection[str]) -> int:
+    """How many of the leading blocks are cached (the prefix cache finds a chain, not single blocks)."""
+    n = 0
+    for name in blocks:
+        if name not in cached:
+            break
+        n += 1
+    return n
+
+
+def cost(job: Candidate, worker: WorkerLoad, policy: PlacementPolicy) -> float:
+    computed = max(job.prompt_tokens - policy.block_size * matched(job.blocks, worker.cached), 0)
+    return computed + policy.load_weight * worker.load_tokens
+
+
+def cheapest(job: Candidate, workers: Sequence[WorkerLoad], policy: PlacementPolicy) -> WorkerLoad | None:
+    """The worker of least cost (ties: by name), or None."""
+    return min(workers, key=lambda w: (cost(job, w, policy), w.name), default=None)
+
+
+def judge(job: Candidate, claimer: WorkerLoad, workers: Mapping[str, WorkerLoad], now: float,
+          policy: PlacementPolicy) -> tuple[str, WorkerLoad | None]:
+    """(reason, the worker preferred over the claimer): reason is by_cache, by_load or stolen when the
+    claimer may take ``job``, else skipped."""
+    if not any(matched(job.blocks, w.cached) for w in workers.values()):
+        return "by_load", None
+    others = [w for w in workers.values() if w.name != claimer.name and w.free_seats > 0]
+    best = cheapest(job, others, policy)
+    if best is None or cost(job, claimer, policy) <= cost(job, best, policy) + policy.slack_tokens:
+        return ("by_cache" if matched(job.blocks, claimer.cached) else "by_load"), None
+    if now - job.since >= policy.steal_s:
+        return "stolen", best
+    return "skipped", best
+
+
+def decide(candidates: Sequence[Candidate], claimer: str, workers: Mapping[str, WorkerLoad], now: float,
+           policy: PlacementPolicy) -> Decision:
+    """What ``claimer`` takes among ``candidates`` (fleet order).  ``workers``: the live workers by name; a
+    claimer without an entry holds nothing and has no load."""
+    me = workers.get(claimer) or WorkerLoad(claimer, ())
+    if not candidates:
+        return Decision(None, "skipped")
+    nudge: str | None = None
+    for i, job in enumerate(candidates):
+        reason, best = judge(job, me, workers, now, policy)
+        if reason != "skipped":
+            return Decision(job.key, reason)
+        if i == 0 and best is not None and job.nudged != best.name:
+            nudge = best.name
+    retry_in = min(job.since + policy.steal_s - now for job in candidates)
+    return Decision(None, "skipped", nudge, max(retry_in, 0.0))
