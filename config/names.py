@@ -293,6 +293,21 @@ class Names:
         prefix cache, kept in step by the worker each engine step (with ``PAGEDQ_PLACEMENT``)."""
         return f"{self.key_prefix}kv:{model_slug(model)}:{hostname}"
 
+    def placement_workers(self, model: str) -> str:
+        """Set: hostnames of the GPU workers that said they serve the model with ``PAGEDQ_PLACEMENT`` (a claim
+        drops one whose record is gone; liveness is the record's ``beat_at``)."""
+        return f"{self.key_prefix}placement:{model_slug(model)}:workers"
+
+    def placement_stats(self, model: str) -> str:
+        """Hash: counts of the model's placement decisions (by_cache, by_load, stolen, skipped, nudged)."""
+        return f"{self.key_prefix}placement:{model_slug(model)}:stats"
+
+    def worker_queue(self, model: str, hostname: str) -> str:
+        """Queue of one GPU worker alone (beside its model's queue): dispatch tokens sent to it by placement's
+        nudges.  A nudge is always a spare token (the job it is for keeps its own), so one left on a dead
+        worker's queue loses nothing."""
+        return f"{self.generate_queue(model)}.w.{hostname}"
+
     @property
     def worker_pattern(self) -> str:
         return f"{self.key_prefix}worker:*"

@@ -35,13 +35,14 @@ slot key names at most one job, and that job's index entry names the slot.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import redis
 
 from pagedq.config.messages import GenerateJob, parse_message, to_json
 from pagedq.config.names import Names
 from pagedq.config.scheduling import DEFAULT_TENANT
+from pagedq.fleet.placement import PlacementPolicy
 
 BANDS = range(9, -1, -1)  # priority 9 (most urgent) first
 
@@ -86,6 +87,8 @@ end
 _PUSH = _LIB + """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 local e = cjson.decode(ARGV[3])
+local clock = redis.call('TIME')
+e.since = string.format('%d.%06d', clock[1], clock[2])  -- when it began to wait (placement's steal clock)
 e.member = ARGV[4] .. '|' .. string.format('%012d', redis.call('INCR', KEYS[3])) .. '|' .. ARGV[1]
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(e))
 redis.call('SET', KEYS[2], ARGV[2])
@@ -93,23 +96,49 @@ enqueue(e)
 return 1
 """
 
-# KEYS: the model's counters, tenant weights, fair index, the slot. ARGV: fair prefix, slot name, job-key
-# prefix, fair-message prefix, '' or (a claim beyond the worker's seats) JSON {"held": {tenant: seats},
-# "seats": n, "lowest": lowest running priority}.  Returns the claimed job's message, false when nothing waits,
-# an error when the slot is bound already.  A job found ended, cancelling or gone is dropped (index entry and
-# message) and skipped.  Beyond the seats only the highest band with a job waiting is looked at: any tenant
-# if it outranks a running job, else the tenants below their weighted seat share (``fleet.policy.seat_share``).
-_CLAIM = _LIB + """
+# Shared by both claims.  KEYS: the model's counters, tenant weights, fair index, the slot.  ARGV: fair prefix,
+# slot name, job-key prefix, fair-message prefix.  ``bind`` takes a waiting member out of its band and binds it
+# to the slot, charging its tenant (counter ``c``): returns its message, or nil when the job was found ended,
+# cancelling or gone (dropped: index entry and message).
+_BIND = _LIB + """
 if redis.call('EXISTS', KEYS[4]) == 1 then return redis.error_reply('SLOTBUSY ' .. ARGV[2]) end
 local prefix = ARGV[1]
-local over = nil
-if ARGV[5] ~= '' then over = cjson.decode(ARGV[5]) end
 local function score(s) if s == 'inf' or s == '+inf' then return math.huge end return tonumber(s) end
 local function weight(t)
   local w = tonumber(redis.call('HGET', KEYS[2], t) or '1')
   if w == nil or w <= 0 then return 1 end
   return w
 end
+local function bind(p, tenant, c, member)
+  unqueue(prefix, p, tenant, member)
+  local id = string.match(member, '^[^|]*|[^|]*|(.*)$')
+  local raw = redis.call('HGET', KEYS[3], id)
+  local st = redis.call('HGET', ARGV[3] .. id, 'state')
+  local msg = redis.call('GET', ARGV[4] .. id)
+  if raw and msg and (st == 'queued' or st == 'in_progress') then
+    local e = cjson.decode(raw)
+    local charge = tonumber(e.cost) / weight(tenant)
+    redis.call('HSET', KEYS[1], tenant, fmt(c + charge))
+    e.slot, e.charge = ARGV[2], fmt(charge)
+    redis.call('HSET', KEYS[3], id, cjson.encode(e))
+    redis.call('SET', KEYS[4], id)
+    redis.call('HSET', ARGV[3] .. id, 'slot', ARGV[2])
+    return msg
+  end
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('DEL', ARGV[4] .. id)
+  return nil
+end
+"""
+
+# KEYS, ARGV[1-4]: as _BIND.  ARGV[5]: '' or (a claim beyond the worker's seats) JSON {"held": {tenant: seats},
+# "seats": n, "lowest": lowest running priority}.  Returns the claimed job's message, false when nothing waits,
+# an error when the slot is bound already.  A job found ended, cancelling or gone is dropped and skipped.
+# Beyond the seats only the highest band with a job waiting is looked at: any tenant if it outranks a running
+# job, else the tenants below their weighted seat share (``fleet.policy.seat_share``).
+_CLAIM = _BIND + """
+local over = nil
+if ARGV[5] ~= '' then over = cjson.decode(ARGV[5]) end
 local function may_take(p, t)
   if over == nil or p > tonumber(over.lowest) then return true end
   local total = weight(t)
@@ -135,27 +164,127 @@ for p = 9, 0, -1 do
       end
     end
     if best ~= nil then
-      unqueue(prefix, p, best, bm)
-      local id = string.match(bm, '^[^|]*|[^|]*|(.*)$')
-      local raw = redis.call('HGET', KEYS[3], id)
-      local st = redis.call('HGET', ARGV[3] .. id, 'state')
-      local msg = redis.call('GET', ARGV[4] .. id)
-      if raw and msg and (st == 'queued' or st == 'in_progress') then
-        local e = cjson.decode(raw)
-        local w = tonumber(redis.call('HGET', KEYS[2], best) or '1')
-        if w == nil or w <= 0 then w = 1 end
-        local charge = tonumber(e.cost) / w
-        redis.call('HSET', KEYS[1], best, fmt(bc + charge))
-        e.slot, e.charge = ARGV[2], fmt(charge)
-        redis.call('HSET', KEYS[3], id, cjson.encode(e))
-        redis.call('SET', KEYS[4], id)
-        redis.call('HSET', ARGV[3] .. id, 'slot', ARGV[2])
-        return msg
-      end
-      redis.call('HDEL', KEYS[3], id)
-      redis.call('DEL', ARGV[4] .. id)
+      local msg = bind(p, best, bc, bm)
+      if msg then return msg end
     elseif over ~= nil then
       return false  -- none of this band may take a seat beyond the worker's; no lower band either
+    end
+  end
+end
+return false
+"""
+
+# KEYS[1-4], ARGV[1-4]: as _BIND; KEYS[5]: the model's placement workers, KEYS[6]: its placement stats.  ARGV[5]:
+# worker-record prefix, ARGV[6]: cache-set prefix (``kv:<slug>:``), ARGV[7]: the claimer, ARGV[8]: the policy
+# JSON (``fleet.placement.PlacementPolicy``).  The rule of ``fleet.placement.decide`` over the first jobs of the
+# highest band (``FairQueue.candidates``).  Returns the claimed job's message; or {'skip', worker to nudge or '',
+# seconds until a candidate may be stolen} (nothing changed but the nudge mark and the counters); false when
+# nothing waits.
+_CLAIM_PLACED = _BIND + """
+local P = cjson.decode(ARGV[8])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local workers, me = {}, nil
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+  local rec = redis.call('HMGET', ARGV[5] .. h, 'beat_at', 'ttl_s', 'load_tokens', 'claimed_tokens', 'free_seats')
+  if not rec[1] then
+    redis.call('SREM', KEYS[5], h)  -- its record is gone: it is dead
+  elseif h == ARGV[7] or now - tonumber(rec[1]) <= tonumber(rec[2] or '15') / 2 then
+    local w = {name = h, kv = ARGV[6] .. h, free = tonumber(rec[5] or '1'),
+               load = tonumber(rec[3] or '0') + tonumber(rec[4] or '0')}
+    workers[#workers + 1] = w
+    if h == ARGV[7] then me = w end
+  end
+end
+if me == nil then me = {name = ARGV[7], kv = ARGV[6] .. ARGV[7], free = 1, load = 0} end
+local function matched(w, blocks)
+  local n = 0
+  for _, b in ipairs(blocks) do
+    if redis.call('SISMEMBER', w.kv, b) == 0 then break end
+    n = n + 1
+  end
+  return n
+end
+local function cost(job, n, w)
+  return math.max(job.prompt - P.block_size * n, 0) + P.load_weight * w.load
+end
+-- (reason, preferred worker) for one candidate, as fleet.placement.judge
+local function judge(job)
+  local any, mine = false, matched(me, job.blocks)
+  local best, bcost
+  for _, w in ipairs(workers) do
+    local n = w == me and mine or matched(w, job.blocks)
+    if n > 0 then any = true end
+    if w ~= me and w.free > 0 then
+      local c = cost(job, n, w)
+      if best == nil or c < bcost or (c == bcost and w.name < best.name) then best, bcost = w, c end
+    end
+  end
+  if not any then return 'by_load', nil end
+  if best == nil or cost(job, mine, me) <= bcost + P.slack_tokens then
+    if mine > 0 then return 'by_cache', nil end
+    return 'by_load', nil
+  end
+  if now - job.since >= P.steal_s then return 'stolen', best end
+  return 'skipped', best
+end
+for p = 9, 0, -1 do
+  local tkey = prefix .. 'tenants:' .. p
+  while true do
+    local order = {}
+    for _, t in ipairs(redis.call('SMEMBERS', tkey)) do
+      local head = redis.call('ZRANGE', prefix .. 'band:' .. p .. ':' .. t, 0, P.per_tenant - 1, 'WITHSCORES')
+      if #head == 0 then
+        redis.call('SREM', tkey, t)
+      else
+        order[#order + 1] = {t = t, c = tonumber(redis.call('HGET', KEYS[1], t) or '0'), d = score(head[2]),
+                             m = head[1], head = head}
+      end
+    end
+    if #order == 0 then break end
+    table.sort(order, function(a, b)
+      if a.c ~= b.c then return a.c < b.c end
+      if a.d ~= b.d then return a.d < b.d end
+      return a.m < b.m
+    end)
+    local jobs = {}
+    for _, o in ipairs(order) do
+      for i = 1, #o.head, 2 do
+        if #jobs < P.candidates then jobs[#jobs + 1] = {t = o.t, c = o.c, m = o.head[i]} end
+      end
+      if #jobs >= P.candidates then break end
+    end
+    local nudge, retry, dropped = '', nil, false
+    for i, j in ipairs(jobs) do
+      local id = string.match(j.m, '^[^|]*|[^|]*|(.*)$')
+      local raw = redis.call('HGET', KEYS[3], id)
+      local e = raw and cjson.decode(raw) or {}
+      j.blocks, j.prompt, j.since = e.blocks or {}, tonumber(e.prompt or '0'), tonumber(e.since or now)
+      local reason, best = judge(j)
+      if reason ~= 'skipped' then
+        local msg = bind(p, j.t, j.c, j.m)
+        if msg then
+          redis.call('HINCRBY', KEYS[6], reason, 1)
+          if redis.call('EXISTS', ARGV[5] .. me.name) == 1 then
+            local n = matched(me, j.blocks)
+            redis.call('HINCRBYFLOAT', ARGV[5] .. me.name, 'claimed_tokens', math.max(j.prompt - P.block_size * n, 0))
+          end
+          return msg
+        end
+        dropped = true
+        break  -- the job had ended: choose again
+      end
+      if i == 1 and best ~= nil and e.nudged ~= best.name and raw then
+        nudge, e.nudged = best.name, best.name
+        redis.call('HSET', KEYS[3], id, cjson.encode(e))
+        redis.call('HINCRBY', KEYS[6], 'nudged', 1)
+      end
+      local left = j.since + P.steal_s - now
+      if retry == nil or left < retry then retry = left end
+    end
+    if not dropped then
+      redis.call('HINCRBY', KEYS[6], 'skipped', 1)
+      return {'skip', nudge, tostring(math.max(retry, 0))}
     end
   end
 end
@@ -236,6 +365,15 @@ class SeatsHeld:
     lowest_priority: int
 
 
+@dataclass(frozen=True)
+class Skip:
+    """A placed claim took nothing: every candidate is another worker's to take for now (``fleet.placement``).
+    ``nudge``: a worker to send a token to (None: nudged already); ``retry_in``: seconds until one may be stolen."""
+
+    nudge: str | None
+    retry_in: float
+
+
 class SlotBusy(RuntimeError):
     """``claim`` for a slot that is still bound: unbind or release it first."""
 
@@ -263,19 +401,24 @@ class FairDispatch:
         self._message_prefix = names.fair_message("")
         self._push = r.register_script(_PUSH)
         self._claim = r.register_script(_CLAIM)
+        self._claim_placed = r.register_script(_CLAIM_PLACED)
         self._release = r.register_script(_RELEASE)
         self._unbind = r.register_script(_UNBIND)
         self._remove = r.register_script(_REMOVE)
         self._refund = r.register_script(_REFUND)
 
-    def push(self, job: GenerateJob) -> None:
-        """The job waits in its model's fair queue; pushing a job already waiting or bound changes nothing."""
+    def push(self, job: GenerateJob, blocks: list[str] | None = None) -> None:
+        """The job waits in its model's fair queue; pushing a job already waiting or bound changes nothing.
+        ``blocks``: the names of its prompt's leading blocks (``workers.engine.block_hash``), for placement."""
         tenant, priority, deadline, arrival = _scheduling(job)
         n = self.names
         entry = {"prefix": n.fair_prefix(job.model), "vtc": n.vtc(job.model), "model": job.model,
                  "priority": str(priority), "tenant": tenant,
                  "deadline": "+inf" if deadline is None else repr(float(deadline)),
-                 "cost": str(len(job.prompt_token_ids) + job.params.max_output_tokens)}
+                 "cost": str(len(job.prompt_token_ids) + job.params.max_output_tokens),
+                 "prompt": str(len(job.prompt_token_ids))}
+        if blocks:
+            entry["blocks"] = list(blocks)
         self._push(keys=[n.fair_index, n.fair_message(job.job_id), n.fair_seq(job.model)],
                    args=[job.job_id, json.dumps(to_json(job)), json.dumps(entry), arrival_key(arrival)])
 
@@ -294,6 +437,29 @@ class FairDispatch:
                 raise SlotBusy(f"slot {slot!r} of {worker!r} is bound to job {self.bound_job(slot)!r}") from None
             raise
         return parse_message(GenerateJob, json.loads(raw)) if raw else None
+
+    def claim_placed(self, model: str, worker: str, slot: str, policy: PlacementPolicy) -> GenerateJob | Skip | None:
+        """As ``claim``, with cache-aware placement (``fleet.placement``): the first of the fleet order's first
+        jobs that ``worker`` may take, bound to ``slot``; a ``Skip`` when each is another worker's for now; None
+        when nothing waits."""
+        n = self.names
+        try:
+            raw = self._claim_placed(
+                keys=[n.vtc(model), n.tenant_weights, n.fair_index, n.slot(slot), n.placement_workers(model),
+                      n.placement_stats(model)],
+                args=[n.fair_prefix(model), slot, self._job_prefix, self._message_prefix, n.worker(""),
+                      n.kv_blocks(model, ""), worker, json.dumps(asdict(policy))])
+        except redis.ResponseError as e:
+            if "SLOTBUSY" in str(e):
+                raise SlotBusy(f"slot {slot!r} of {worker!r} is bound to job {self.bound_job(slot)!r}") from None
+            raise
+        if isinstance(raw, list):
+            return Skip(raw[1] or None, float(raw[2]))
+        return parse_message(GenerateJob, json.loads(raw)) if raw else None
+
+    def placement_stats(self, model: str) -> dict[str, int]:
+        """Counts of the model's placement decisions (by_cache, by_load, stolen, skipped, nudged)."""
+        return {k: int(v) for k, v in self.r.hgetall(self.names.placement_stats(model)).items()}
 
     def bound_job(self, slot: str) -> str | None:
         """The job id ``slot`` is bound to, or None."""

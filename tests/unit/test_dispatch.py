@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import uuid
@@ -13,8 +14,9 @@ from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.config.scheduling import SchedulingMeta
+from pagedq.fleet.placement import Candidate, PlacementPolicy, WorkerLoad, decide
 from pagedq.fleet.policy import FairQueue, VirtualTokenCounters, below_share
-from pagedq.store.dispatch import FairDispatch, SeatsHeld, SlotBusy
+from pagedq.store.dispatch import FairDispatch, SeatsHeld, Skip, SlotBusy
 
 MODEL = "test/fair-model"
 
@@ -319,3 +321,79 @@ def test_two_concurrent_claimers_never_share_a_job(redis_url, names):
     finally:
         for c in clients:
             c.close()
+
+
+def _redis_now(redis) -> float:
+    sec, usec = redis.time()
+    return sec + usec / 1e6
+
+
+def test_a_placed_claim_decides_as_the_placement_oracle_on_random_fleets(redis, names, dispatch):
+    """``claim_placed`` (Lua) against ``fleet.placement.decide`` over ``FairQueue.candidates`` (Python): random
+    workers (cache sets of random prefixes of shared chains, loads, free seats, some dead), random jobs (tenants,
+    bands, chains), random claimers; every claim takes the same job for the same reason, or skips with the same
+    nudge.  The oracle reads the workers' loads, the counters and the nudge marks back from Redis after each
+    claim (the claim changes them), and decides on its own."""
+    policy = PlacementPolicy(block_size=16, load_weight=random.choice([0.5, 1.0, 2.0]),
+                             slack_tokens=random.choice([0.0, 32.0]), steal_s=0.5,
+                             candidates=random.randint(2, 8), per_tenant=random.randint(1, 3))
+    chains = [[uuid.uuid4().hex for _ in range(random.randint(3, 12))] for _ in range(5)]
+    hosts = [f"gpu-{i}-{uuid.uuid4().hex[:4]}" for i in range(random.randint(2, 4))]
+    now = _redis_now(redis)
+    dead = {hosts[-1]} if random.random() < 0.5 else set()
+    for h in hosts:
+        redis.sadd(names.placement_workers(MODEL), h)
+        redis.hset(names.worker(h), mapping={
+            "beat_at": f"{now - (60 if h in dead else 0.5):.6f}", "ttl_s": "15", "role": "gpu",
+            "load_tokens": str(random.randint(1, 600)), "free_seats": str(random.choice([0, 1, 3]))})
+        cached = [b for chain in random.sample(chains, random.randint(1, 3)) for b in chain[:random.randint(1, len(chain))]]
+        redis.sadd(names.kv_blocks(MODEL, h), *cached)
+    redis.sadd(names.placement_workers(MODEL), "gone-host")  # no record: dropped by the first claim
+    tenants = [f"t{i}-{uuid.uuid4().hex[:4]}" for i in range(3)]
+    oracle: FairQueue[str] = FairQueue()
+    jobs: dict[str, GenerateJob] = {}
+    for i in range(random.randint(12, 30)):
+        chain = random.choice(chains)
+        blocks = chain[:random.randint(1, len(chain))] + [uuid.uuid4().hex for _ in range(random.randint(0, 2))]
+        meta = SchedulingMeta(random.choice(tenants), random.choice([3, 5]), None, float(i))
+        job = _job(meta, prompt=16 * len(blocks) + random.randint(1, 15), max_tokens=random.randint(1, 40))
+        jobs[job.job_id] = job
+        _create_records(redis, names, [job])
+        dispatch.push(job, blocks)
+        oracle.push(job.job_id, meta)
+        entry = json.loads(redis.hget(names.fair_index, job.job_id))
+        entry["since"] = f"{now + random.choice([-60, 60]):.6f}"  # far from the steal boundary either way
+        redis.hset(names.fair_index, job.job_id, json.dumps(entry))
+    oracle.counters.counters.update(dispatch.counters(MODEL))
+    seen: dict[str, int] = {}
+    for step in range(60):
+        if not len(oracle):
+            break
+        claimer = random.choice([h for h in hosts if h not in dead])
+        workers = {}
+        for h in hosts:
+            rec = redis.hgetall(names.worker(h))
+            if h not in dead or h == claimer:
+                workers[h] = WorkerLoad(h, redis.smembers(names.kv_blocks(MODEL, h)),
+                                        float(rec["load_tokens"]) + float(rec.get("claimed_tokens", 0)),
+                                        int(rec["free_seats"]))
+        candidates = []
+        for key in oracle.candidates(policy.candidates, policy.per_tenant):
+            entry = json.loads(redis.hget(names.fair_index, key))
+            candidates.append(Candidate(key, entry.get("blocks", []), int(entry["prompt"]), float(entry["since"]),
+                                        entry.get("nudged")))
+        want = decide(candidates, claimer, workers, _redis_now(redis), policy)
+        before = dispatch.placement_stats(MODEL)
+        got = dispatch.claim_placed(MODEL, claimer, f"slot-{step}", policy)
+        after = dispatch.placement_stats(MODEL)
+        if want.key is None:
+            assert got == Skip(want.nudge, got.retry_in), f"step {step}: {got} vs {want}"
+            assert after.get("skipped", 0) == before.get("skipped", 0) + 1
+        else:
+            assert isinstance(got, GenerateJob) and got.job_id == want.key, f"step {step}: {got} vs {want}"
+            assert after.get(want.reason, 0) == before.get(want.reason, 0) + 1
+            oracle.remove(want.key)
+            oracle.counters.counters.update(dispatch.counters(MODEL))
+        seen[want.reason] = seen.get(want.reason, 0) + 1
+    assert redis.sismember(names.placement_workers(MODEL), "gone-host") == 0
+    assert sum(n for r, n in seen.items() if r != "skipped") > 0
