@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -133,9 +133,12 @@ class Settings(BaseSettings):
                              "(priority band, then the least-served tenant, then deadline and arrival) and a GPU "
                              "worker claims the next one when it has room; false = kombu's arrival order per "
                              "priority (store/dispatch.py, docs/queue.md)")
-    placement: bool = Field(False, description="cache-aware placement (issue 20, being built): each GPU worker "
-                            "keeps the names of its prefix cache's blocks in Redis (kv:<model>:<worker>), so a "
-                            "job can be placed where its prompt's prefix is cached; false = workers pull blindly")
+    placement: bool = Field(False, description="cache-aware placement (with fair_share): each GPU worker keeps the "
+                            "names of its prefix cache's blocks in Redis (kv:<model>:<worker>) and its load in its "
+                            "record; a worker claims a job another worker holds more of only when that one is "
+                            "loaded or full or the job waited steal_s (fleet/placement.py); false = blind pull")
+    placement_steal_s: float = Field(0.5, gt=0, description="with placement: a job another worker holds more of "
+                                     "is taken by any worker with a free seat once it has waited this long")
     batch_priority: int | None = Field(None, ge=0, le=9, description="priority of batch jobs (Batches API, "
                                        "submit_batch, run-batch) whose line sets none; unset = default_priority")
     max_attempts: int = Field(3, ge=1, description="starts of a job whose worker dies each time before it "
@@ -182,6 +185,13 @@ class Settings(BaseSettings):
         if bad:
             raise ValueError(f"tenant weights must be > 0: {bad}")
         return value
+
+    @model_validator(mode="after")
+    def _placement_needs_fair_share(self) -> Settings:
+        if self.placement and not self.fair_share:
+            raise ValueError("PAGEDQ_PLACEMENT=true needs PAGEDQ_FAIR_SHARE=true: a job is placed when a worker "
+                             "claims it from its model's fair queue")
+        return self
 
     @property
     def redis_data_dir(self) -> Path:

@@ -28,6 +28,14 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+DECODE_TOKEN_COST = 0.25  # a token still to generate weighs this much of a prompt token to compute (load)
+
+
+def load_tokens(pending: list[tuple[int, int]]) -> float:
+    """A worker's load from the sequences it holds, each (prompt tokens not yet computed, output tokens it may
+    still generate): what a new job's prefill queues behind."""
+    return sum(prompt + DECODE_TOKEN_COST * output for prompt, output in pending)
+
 
 @dataclass(frozen=True)
 class PlacementPolicy:

@@ -64,6 +64,7 @@ from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.store.registry import lookup_model
 from pagedq.store.result_cache import ResultCache
 from pagedq.workers.celery_worker import run_celery_worker
+from pagedq.workers.engine.block_hash import cache_key, prefix_hashes
 from pagedq.workers.metrics import task_metrics
 from pagedq.workers.processes import worker_hostname
 
@@ -134,6 +135,19 @@ def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> Gene
     return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream, meta, parsing)
 
 
+MAX_PLACEMENT_BLOCKS = 128  # a prompt's leading blocks named for placement (2,048 tokens at 16 a block)
+
+
+def prompt_blocks(job: GenerateJob, r, names: Names) -> list[str]:
+    """The names of the job's prompt's leading blocks as its model's workers name their cache's blocks
+    (``workers.engine.block_hash``, the registered block size and weights); [] while that is not known."""
+    info = lookup_model(r, names, job.model)
+    if info is None or info.block_size <= 0:
+        return []
+    key = cache_key(info.name, info.fingerprint)
+    return [h.hex() for h in prefix_hashes(job.prompt_token_ids, info.block_size, key, MAX_PLACEMENT_BLOCKS)]
+
+
 def _scheduling_meta(msg: PreprocessJob, r, names: Names) -> SchedulingMeta:
     """The job's ``SchedulingMeta``: its message's, or (a message from a producer older than ``meta``) its record's."""
     if msg.meta.arrival:
@@ -175,7 +189,8 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
             raise JobNotCompleted(f"job {msg.job_id} failed: {error.code}: {error}") from None
         store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids), preprocessed_at=time.time())
         if fair is not None:  # the job waits in its model's fair queue; a token runs the next one in line
-            fair.push(job)  # before the token, and before this message is acknowledged: never a token too few
+            # before the token, and before this message is acknowledged: never a token too few
+            fair.push(job, prompt_blocks(job, r, names) if settings.placement else None)
             send_dispatch_token(self.app, job.model, job.priority)
         else:
             self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority),

@@ -67,9 +67,10 @@ from pagedq.config.names import (
     Names,
     broker_priority,
 )
+from pagedq.fleet.placement import PlacementPolicy
 from pagedq.store import control
 from pagedq.store.connection import broker_url, redis_client
-from pagedq.store.dispatch import FairDispatch
+from pagedq.store.dispatch import FairDispatch, Skip
 from pagedq.store.jobs import JobStore
 from pagedq.store.registry import gpu_workers_serving, register_model
 from pagedq.workers.celery_worker import run_celery_worker
@@ -239,6 +240,18 @@ class Peers:
         return self._others
 
 
+SKIP_RETRY_MIN_S = 0.02  # the least wait between two placed claims of a worker after a skip
+
+
+@dataclass
+class Placement:
+    """A worker's placed claims (``PAGEDQ_PLACEMENT``): one at a time (``gate``), none before ``next_try``."""
+
+    policy: PlacementPolicy
+    gate: threading.Lock = field(default_factory=threading.Lock)
+    next_try: float = 0.0
+
+
 @dataclass
 class Dispatch:
     """What the dispatch task needs besides the engine: the fair queues, this worker's seats, and the tokens
@@ -247,6 +260,7 @@ class Dispatch:
     fair: FairDispatch
     seats: Seats
     peers: Peers
+    placement: Placement | None = None
     room_wait_s: float = ROOM_WAIT_S
     bound: BoundJobs = field(default_factory=BoundJobs)
 
@@ -276,13 +290,17 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             if d.seats.reserve(d.room_wait_s):
                 reserved = True
                 try:
-                    job = d.fair.claim(service.engine.model_name, self.request.hostname, token.slot)
+                    job = claim(token, self.request.hostname)
                 except BaseException:
                     d.seats.unreserve()
                     raise
                 if job is None:
                     d.seats.unreserve()
                     return {"slot": token.slot, "job_id": None, "skipped": "no job waiting"}
+                if isinstance(job, Skip):  # each waiting job is another worker's for now: ask again soon
+                    d.seats.unreserve()
+                    job, reserved = None, False
+                    continue
                 break
             job = take_beyond(token, self.request.hostname)
             if job is None and (service.draining or d.peers.any_other()):
@@ -302,6 +320,24 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             if running.get(job.job_id) == token.slot:
                 del running[job.job_id]
             d.bound.discard(self.request.id)
+
+    def claim(token: DispatchToken, worker: str) -> GenerateJob | Skip | None:
+        """The next job for a free seat: the fleet order's head, or with placement (``d.placement``) the first
+        of its first jobs this worker may take.  Placed claims go one at a time on a worker; after a skip the
+        next waits until a job may be stolen (at most ``steal_s``), and the worker the first job prefers gets
+        a token of its own (a nudge: a spare, so one lost on a dead worker's queue costs nothing)."""
+        model = service.engine.model_name
+        if d.placement is None:
+            return d.fair.claim(model, worker, token.slot)
+        with d.placement.gate:
+            while (wait := d.placement.next_try - time.monotonic()) > 0 and not service.draining:
+                time.sleep(min(wait, 0.05))
+            got = d.fair.claim_placed(model, worker, token.slot, d.placement.policy)
+            if isinstance(got, Skip):
+                d.placement.next_try = time.monotonic() + max(got.retry_in, SKIP_RETRY_MIN_S)
+                if got.nudge is not None:
+                    send_dispatch_token(app, model, token.priority, queue=names.worker_queue(model, got.nudge))
+        return got
 
     def take_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
         """``claim_beyond``, one at a time: with a job it returns holding ``seats.beyond``, which ``run_bound``
@@ -574,7 +610,10 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     app = make_celery(settings, url)
     store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts, settings.send_grace_s)
     register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
-    dispatch = Dispatch(FairDispatch(r, names), Seats(service), Peers(r, names, engine.model_name, hostname))
+    placement = Placement(PlacementPolicy(block_size=engine.engine.config.block_size,
+                                          steal_s=settings.placement_steal_s)) if settings.placement else None
+    dispatch = Dispatch(FairDispatch(r, names), Seats(service), Peers(r, names, engine.model_name, hostname),
+                        placement)
     register_dispatch(app, service, store, names, dispatch)
     ControlListener(r, names, control.configured_secret(settings), service, hostname).start()
     ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s, settings.fair_share,
@@ -585,7 +624,8 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     code: int | str | None = 0
     try:
         run_celery_worker(app, r, names.worker(hostname), {"role": "gpu", "model": engine.model_name},
-                          queues=[queue], concurrency=inflight(settings), hostname=hostname,
+                          queues=[queue, *([names.worker_queue(engine.model_name, hostname)] if placement else [])],
+                          concurrency=inflight(settings), hostname=hostname,
                           loglevel=loglevel, ttl_s=settings.worker_ttl_s)
     except SystemExit as e:
         code = e.code

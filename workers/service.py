@@ -35,6 +35,7 @@ from pagedq.config.messages import GenerateJob
 from pagedq.config.names import Names
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.config.scheduling import DEFAULT_TENANT
+from pagedq.fleet.placement import load_tokens
 from pagedq.store.dispatch import SeatsHeld
 from pagedq.store.registry import ModelInfo, register_model
 from pagedq.workers.cpu_budget import ThreadBudget
@@ -483,6 +484,8 @@ class EngineService:
         target.hset(key, mapping=stats)
         target.expire(key, self.worker_ttl_s)
         if self.publish_cache:
+            target.hset(key, mapping=self._placement_fields())
+            target.sadd(self.names.placement_workers(e.model_name), self.hostname)
             self._publish_cache(target)
         if pipe is None:
             try:
@@ -490,6 +493,14 @@ class EngineService:
             except redis.RedisError as err:
                 self.publish_failed()
                 log.warning("could not publish worker stats: %s", err)
+
+    def _placement_fields(self) -> dict:
+        """What placement weighs besides the cache (``fleet.placement``): free seats and the load in tokens; the
+        tokens claims added since the last publish (``claimed_tokens``) are in the load now, or soon."""
+        held = [(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0),
+                 max(seq.params.max_output_tokens - seq.num_output_tokens, 0))
+                for seq in list(self.engine.engine.requests.values())]
+        return {"free_seats": 0 if self.draining else self.free_seats(), "load_tokens": load_tokens(held), "claimed_tokens": 0}
 
     def _publish_cache(self, pipe) -> None:
         """The prefix cache's block names into ``names.kv_blocks``: the whole set when the pool is new (start,

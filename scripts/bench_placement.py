@@ -1,0 +1,262 @@
+"""Cache-aware placement: conversations replayed turn by turn on 1, 2 and 4 GPU workers, placement on vs off.
+
+Workload (seeded): ShareGPT conversations with at least ``--min-turns`` human turns (each turn's text capped at
+``--turn-tokens`` tokens), a shared system prompt (``bench_prefix.SYSTEM``); each turn is the whole history
+with the model's own greedy replies (``--max-tokens``), so the cached blocks really are the history.  All
+``--conversations`` run at once, each submitting its next turn when the last one ends (streamed: time to first
+token from the submit to the first text delta).
+
+Runs, one sitting, same conversations, each on a fresh stack (``pagedq up``'s: embedded redis-server, N GPU
+workers, one CPU worker; fair dispatch on): 1 worker, then 2 and 4 with ``PAGEDQ_PLACEMENT`` off (blind pull)
+and on.  Printed per run: prompt tokens computed and served from cache (``usage.prompt_tokens_details``), the
+fleet's hit ratio, TTFT p50/p99, requests/s and output tok/s, each worker's share of the requests, and the
+placement counters; then the Done-when lines of issue 20 as PASS/FAIL.
+
+``--skewed``: instead, 4 workers, ``--skewed-jobs`` single-turn jobs at once, 80% starting with the shared
+system prompt: throughput with placement on vs off.
+
+    python scripts/bench_placement.py                         # 32 conversations x 4 turns, 1/2/4 workers
+    python scripts/bench_placement.py --conversations 8 --workers 1 2   # a quick look
+    python scripts/bench_placement.py --skewed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench_prefix import SYSTEM
+from sharegpt import iter_conversations
+
+from pagedq.config import Settings
+from pagedq.pipeline import Client
+from pagedq.pipeline.local.stack import Stack
+from pagedq.store.dispatch import FairDispatch
+
+
+@dataclass
+class Turn:
+    conversation: int
+    job_id: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    worker: str = ""
+
+
+@dataclass
+class Run:
+    label: str
+    workers: int
+    placement: bool
+    turns: list[Turn] = field(default_factory=list)
+    seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def computed(self) -> int:
+        return sum(t.prompt_tokens - t.cached_tokens for t in self.turns)
+
+    @property
+    def hit_ratio(self) -> float:
+        total = sum(t.prompt_tokens for t in self.turns)
+        return sum(t.cached_tokens for t in self.turns) / total if total else 0.0
+
+    def shares(self) -> dict[str, float]:
+        counts = Counter(t.worker for t in self.turns)
+        return {w: n / len(self.turns) for w, n in sorted(counts.items())}
+
+
+def conversations(tokenizer, n: int, min_turns: int, turn_tokens: int, seed: int) -> list[list[str]]:
+    """``n`` conversations' human turns (at least ``min_turns`` each, each cut to ``turn_tokens`` tokens)."""
+    picked: list[list[str]] = []
+    for conv in iter_conversations():
+        humans = [t["value"] for t in conv.get("conversations", []) if t.get("from") == "human"]
+        if len(humans) >= min_turns and all(h.strip() for h in humans[:min_turns]):
+            picked.append(humans[:min_turns])
+        if len(picked) >= n * 4:
+            break
+    random.Random(seed).shuffle(picked)
+    if len(picked) < n:
+        raise SystemExit(f"only {len(picked)} conversations with {min_turns} human turns")
+    cut = [[tokenizer.decode(tokenizer(h, add_special_tokens=False)["input_ids"][:turn_tokens]) for h in c]
+           for c in picked[:n]]
+    return cut
+
+
+def stream_turn(client: Client, messages: list[dict], max_tokens: int, conversation: int) -> tuple[Turn, str]:
+    sent = time.perf_counter()
+    job = client.submit(messages=messages, max_tokens=max_tokens, temperature=0)
+    turn = Turn(conversation, job)
+    text = []
+    for delta in client.stream(job, timeout=3600):
+        if not text:
+            turn.ttft = time.perf_counter() - sent
+        text.append(delta)
+    result = client.result(job, timeout=3600)
+    usage = result["usage"]
+    turn.prompt_tokens = usage["prompt_tokens"]
+    turn.cached_tokens = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    turn.output_tokens = usage["completion_tokens"]
+    turn.worker = client.status(job).worker or ""
+    return turn, result["choices"][0]["message"]["content"]
+
+
+def replay(client: Client, convs: list[list[str]], max_tokens: int) -> list[Turn]:
+    turns: list[Turn] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def one(i: int, humans: list[str]) -> None:
+        messages = [{"role": "system", "content": SYSTEM}]
+        try:
+            for human in humans:
+                messages.append({"role": "user", "content": human})
+                turn, reply = stream_turn(client, messages, max_tokens, i)
+                messages.append({"role": "assistant", "content": reply})
+                with lock:
+                    turns.append(turn)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i, c)) for i, c in enumerate(convs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return turns
+
+
+def skewed_jobs(client: Client, tokenizer, n: int, max_tokens: int, seed: int) -> list[Turn]:
+    rng = random.Random(seed)
+    qs = [c[0] for c in conversations(tokenizer, max(n // 4, 8), 1, 60, seed)]
+    jobs = []
+    for i in range(n):
+        q = f"{rng.choice(qs)} (#{i})"
+        messages = ([{"role": "system", "content": SYSTEM}] if rng.random() < 0.8 else []) + \
+            [{"role": "user", "content": q}]
+        jobs.append(client.submit(messages=messages, max_tokens=max_tokens, temperature=0))
+    turns = []
+    for job in jobs:
+        usage = client.result(job, timeout=3600)["usage"]
+        turns.append(Turn(0, job, usage["prompt_tokens"], usage.get("prompt_tokens_details", {}).get(
+            "cached_tokens", 0), usage["completion_tokens"], 0.0, client.status(job).worker or ""))
+    return turns
+
+
+def run_once(args, workers: int, placement: bool, work) -> Run:
+    label = f"{workers} worker{'s' if workers > 1 else ''}, placement {'on' if placement else 'off'}"
+    with tempfile.TemporaryDirectory(prefix="pagedq-bench-placement-") as scratch:
+        settings = Settings()
+        if not settings.broker_url:
+            settings = settings.model_copy(update={"redis_dir": Path(scratch) / "redis"})
+        settings = settings.model_copy(update={
+            "result_cache": False, "fair_share": True, "placement": placement, "num_threads": args.threads,
+            "adaptive_threads": False,
+            **({"num_kv_blocks": args.kv_blocks} if args.kv_blocks else {})})
+        with Stack(settings, gpu_workers=workers, log_dir=Path(scratch) / "logs") as stack, \
+                Client(settings, stack.url) as client:
+            stack.wait_ready(900)
+            run = Run(label, workers, placement)
+            start = time.perf_counter()
+            run.turns = work(client)
+            run.seconds = time.perf_counter() - start
+            run.stats = FairDispatch(client.r, client.names).placement_stats(settings.model)
+    report(run)
+    return run
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def report(run: Run) -> None:
+    ttft = [t.ttft for t in run.turns if t.ttft]
+    out = sum(t.output_tokens for t in run.turns)
+    print(f"\n{run.label}: {len(run.turns)} requests in {run.seconds:.1f} s "
+          f"({len(run.turns) / run.seconds:.2f} req/s, {out / run.seconds:.1f} output tok/s)")
+    print(f"  prompt tokens: {sum(t.prompt_tokens for t in run.turns)} total, {run.computed} computed, "
+          f"{sum(t.cached_tokens for t in run.turns)} from cache: fleet hit ratio {run.hit_ratio:.1%}")
+    if ttft:
+        print(f"  TTFT p50 {pct(ttft, 0.5):.2f} s, p99 {pct(ttft, 0.99):.2f} s")
+    print("  requests per worker: " + ", ".join(f"{w}: {s:.0%}" for w, s in run.shares().items()))
+    if run.stats:
+        print(f"  placement: {run.stats}")
+
+
+def verdicts(runs: dict[tuple[int, bool], Run]) -> None:
+    one = runs.get((1, False)) or runs.get((1, True))
+    print("\nissue 20, Done when:")
+    for n in (2, 4):
+        on, off = runs.get((n, True)), runs.get((n, False))
+        if one and on:
+            ok = on.hit_ratio >= 0.95 * one.hit_ratio
+            blind = f"; blind pull {off.hit_ratio:.1%}" if off else ""
+            print(f"  {'PASS' if ok else 'FAIL'} hit ratio, {n} workers: {on.hit_ratio:.1%} vs one worker's "
+                  f"{one.hit_ratio:.1%} (>= 95%: {0.95 * one.hit_ratio:.1%}){blind}")
+    on4, off4 = runs.get((4, True)), runs.get((4, False))
+    if on4 and off4:
+        ok = on4.computed <= 0.6 * off4.computed
+        print(f"  {'PASS' if ok else 'FAIL'} prompt tokens computed, 4 workers: {on4.computed} vs blind pull's "
+              f"{off4.computed} ({on4.computed / max(off4.computed, 1):.0%}; <= 60%)")
+    on2 = runs.get((2, True))
+    if on2:
+        top = max(on2.shares().values())
+        print(f"  {'PASS' if top <= 0.6 else 'FAIL'} busiest worker's share, 2 workers: {top:.0%} (<= 60%)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--min-turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=120, help="each human turn cut to this many tokens")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per GPU worker")
+    ap.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (0: from kv_cache_memory)")
+    ap.add_argument("--skewed", action="store_true")
+    ap.add_argument("--skewed-jobs", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from pagedq.workers.model.loader import resolve_model
+
+    settings = Settings()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings.model, settings.state_dir).path)
+    runs: dict[tuple[int, bool], Run] = {}
+    if args.skewed:
+        for placement in (False, True):
+            runs[(4, placement)] = run_once(args, 4, placement, lambda c: skewed_jobs(
+                c, tokenizer, args.skewed_jobs, args.max_tokens, args.seed))
+        off, on = runs[(4, False)], runs[(4, True)]
+        ratio = (len(on.turns) / on.seconds) / (len(off.turns) / off.seconds)
+        print(f"\n  {'PASS' if ratio >= 1 else 'FAIL'} skewed load, 4 workers: placement on {ratio:.2f}x blind "
+              "pull's requests/s (>= 1)")
+    else:
+        convs = conversations(tokenizer, args.conversations, args.min_turns, args.turn_tokens, args.seed)
+        print(f"{len(convs)} conversations x {args.min_turns} turns, max_tokens {args.max_tokens}")
+        for n in args.workers:
+            for placement in ((False,) if n == 1 else (False, True)):
+                runs[(n, placement)] = run_once(args, n, placement, lambda c: replay(c, convs, args.max_tokens))
+        verdicts(runs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({r.label: {
+            "requests": len(r.turns), "seconds": r.seconds, "computed": r.computed, "hit_ratio": r.hit_ratio,
+            "shares": r.shares(), "stats": r.stats} for r in runs.values()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Cache-aware placement through the real queue (``PAGEDQ_PLACEMENT=true`` with fair dispatch): two GPU workers
+pull from one model queue; a conversation's next turn runs on the worker whose prefix cache holds its history,
+and when that worker is killed -9 mid-run every turn completes once on the other.
+
+One module-scoped stack (real redis-server, two GPU worker processes, one CPU worker, the packaged model);
+prefixes ``ppl:`` / ``ppl.``.  Prompts are token ids (random, never zeros), so a turn's history is exactly the
+previous turn's prompt.  ``placement_steal_s`` is long (8 s) so that a job waits for the worker holding its
+history on this busy 2-core machine rather than being stolen by timing accident; the kill test needs the
+steal all the same (the dead worker's record counts as alive for half its TTL, 3 s).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+from queue_helpers import DoneCounter, wait_until
+
+from pagedq.config import Settings
+from pagedq.pipeline import Client
+from pagedq.pipeline.local.stack import Stack
+from pagedq.store.dispatch import FairDispatch
+
+TIMEOUT = 300
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def settings(redis_url) -> Settings:
+    return Settings(broker_url=redis_url, key_prefix="ppl:", queue_prefix="ppl.", result_cache=False,
+                    kv_cache_memory="256MiB", fair_share=True, placement=True, placement_steal_s=8.0,
+                    max_num_seqs=8, worker_ttl_s=6, drain_timeout_s=1, send_grace_s=5)
+
+
+@pytest.fixture(scope="module")
+def stack(settings, tmp_path_factory):
+    with Stack(settings, gpu_workers=2, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+def gpu_workers(stack) -> list:
+    return [c for c in stack.children if c.role == "gpu"]
+
+
+def history() -> list[int]:
+    return [random.randint(100, 30000) for _ in range(random.randint(100, 200))]
+
+
+def next_turn(prompt: list[int]) -> list[int]:
+    return prompt + [random.randint(100, 30000) for _ in range(random.randint(10, 30))]
+
+
+def first_turns(client: Client, n: int) -> tuple[list[list[int]], list[str]]:
+    """``n`` conversations' first turns, run to the end: (their prompts, the worker that ran each)."""
+    prompts = [history() for _ in range(n)]
+    jobs = [client.submit(prompt=p, max_tokens=2, **GREEDY) for p in prompts]
+    for job in jobs:
+        client.result(job, timeout=TIMEOUT)
+    return prompts, [client.status(j).worker for j in jobs]
+
+
+def test_a_conversations_next_turn_runs_where_its_history_is_cached(settings, stack, client):
+    fair = FairDispatch(client.r, client.names)
+    before = fair.placement_stats(settings.model)
+    prompts, holders = first_turns(client, 8)
+    turns = [client.submit(prompt=next_turn(p), max_tokens=2, **GREEDY) for p in prompts]
+    results = [client.result(j, timeout=TIMEOUT) for j in turns]
+    assert [client.status(j).worker for j in turns] == holders, "each next turn on the worker holding its history"
+    for prompt, result in zip(prompts, results, strict=True):  # and the engine served the history from its cache
+        assert result["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(prompt) - 1) // 16 * 16
+    after = fair.placement_stats(settings.model)
+    assert after.get("by_cache", 0) - before.get("by_cache", 0) >= len(turns)
+
+
+def test_kill_9_of_the_worker_holding_the_history_every_turn_completes_once_on_the_other(settings, stack, client):
+    counter = DoneCounter(client.r, client.names)
+    prompts, holders = first_turns(client, 6)
+    victim = next(c for c in gpu_workers(stack) if c.hostname == holders[0])
+    survivor = next(c for c in gpu_workers(stack) if c is not victim)
+    tokens = 160
+    turns = [client.submit(prompt=next_turn(p), max_tokens=tokens, **GREEDY) for p in prompts]
+    on_victim = [j for j, h in zip(turns, holders, strict=True) if h == victim.hostname]
+    wait_until(lambda: any(int(client.status(j).completion_tokens or 0) > 0 and client.status(j).worker ==
+                           victim.hostname for j in on_victim), TIMEOUT, what="a turn running on its holder")
+    running = [j for j in on_victim if not client.status(j).done]
+    assert running, "turns were mid-generation at the kill"
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    stack.children.remove(victim)
+    results = [client.result(j, timeout=600) for j in turns]
+    wait_until(lambda: all(counter.counts[j] >= 1 for j in turns), 30, what="every publication")
+    counter.stop()
+    assert all(r["usage"]["completion_tokens"] == tokens for r in results)
+    assert all(counter.counts[j] == 1 for j in turns), f"published twice or never: {counter.counts}"
+    assert all(client.status(j).worker == survivor.hostname for j in running)
+    assert client.r.zcard(client.names.active_jobs) == 0
+    assert client.r.hlen(client.names.fair_index) == 0
