@@ -149,6 +149,9 @@ class Snapshot:
     jobs_truncated: bool
     # tenant -> {"waiting", "running", "weight", "oldest_waiting_s"}: the backlog per tenant
     tenants: dict[str, dict] = field(default_factory=dict)
+    # model -> {"by_cache", "by_load", "stolen", "skipped", "nudged", "hit_ratio"}: cache-aware placement's
+    # decisions, and the share of its live GPU workers' prompt tokens served from their prefix caches
+    placement: dict[str, dict] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -177,6 +180,7 @@ def worker_rows(r: redis.Redis, names: Names, now: float) -> list[dict]:
             "tokens_per_s": float(rec["tokens_per_s"]) if rec.get("tokens_per_s") else None,
             "metrics_port": _int(rec.get("metrics_port")),
             "seen_s_ago": round(now - float(rec["updated_at"]), 1) if rec.get("updated_at") else None,
+            "prefix_hits": _int(rec.get("prefix_hits")), "prompt_tokens_computed": _int(rec.get("prompt_tokens_computed")),
         })
     return rows
 
@@ -200,8 +204,12 @@ def snapshot(r: redis.Redis, names: Names, broker: str = "", job_limit: int | No
     pipe = r.pipeline(transaction=False)
     for m in models:
         pipe.get(names.backlog(m))
+    for m in models:
+        pipe.hgetall(names.placement_stats(m))
     pipe.hgetall(names.tenant_weights)
-    *backlogs, weights = pipe.execute()
+    *counts, weights = pipe.execute()
+    backlogs, decisions = counts[:len(models)], counts[len(models):]
+    workers = workers if workers is not None else worker_rows(r, names, now)
     model_of_queue = {q: m for m, q in queue_of.items()}
     queue_rows = [{"queue": q, "model": model_of_queue.get(q, ""), "total": sum(depths[q].values()),
                    "by_priority": {str(p): depths[q][p] for p in PRIORITIES}} for q in queues]
@@ -213,12 +221,21 @@ def snapshot(r: redis.Redis, names: Names, broker: str = "", job_limit: int | No
         oldest = {**jobs.oldest_queued, "age_s": round(max(0.0, now - jobs.oldest_queued["created_at"]), 1)}
     return Snapshot(
         at=now, broker=broker, key_prefix=names.key_prefix,
-        workers=workers if workers is not None else worker_rows(r, names, now), queues=queue_rows,
+        workers=workers, queues=queue_rows,
         models={m: {"queue": queue_of[m], "backlog": _int(b, 0), "registered": m in registered}
                 for m, b in zip(models, backlogs, strict=True)},
         jobs=jobs.counts, jobs_total={s: totals.get(s, 0) for s in STATES}, result_cache=jobs.cache,
         oldest_queued=oldest, jobs_scanned=jobs.scanned, jobs_truncated=jobs.truncated,
-        tenants=tenant_rows(jobs, weights, now))
+        tenants=tenant_rows(jobs, weights, now),
+        placement={m: {**{k: int(v) for k, v in d.items()}, "hit_ratio": fleet_hit_ratio(workers, m)}
+                   for m, d in zip(models, decisions, strict=True) if d})
+
+
+def fleet_hit_ratio(workers: list[dict], model: str) -> float | None:
+    """Prompt tokens the model's live GPU workers served from their prefix caches, of all they were given."""
+    hits = sum(w["prefix_hits"] or 0 for w in workers if w["model"] == model)
+    computed = sum(w["prompt_tokens_computed"] or 0 for w in workers if w["model"] == model)
+    return round(hits / (hits + computed), 4) if hits + computed else None
 
 
 def tenant_rows(jobs: JobScan, weights: dict[str, str], now: float) -> dict[str, dict]:
@@ -293,6 +310,12 @@ def render(snap: Snapshot) -> str:
                     for t, row in snap.tenants.items()]
     out += _table(["TENANT", "WAITING", "RUNNING", "WEIGHT", "OLDEST WAITING"], tenant_rows_) \
         if tenant_rows_ else ["  (none)"]
+    if snap.placement:
+        out += ["", "PLACEMENT (cache-aware claims per model; hit ratio: prompt tokens served from the workers' caches)"]
+        out += _table(["MODEL", "BY CACHE", "BY LOAD", "STOLEN", "SKIPPED", "NUDGED", "FLEET HIT RATIO"],
+                      [[m, d.get("by_cache", 0), d.get("by_load", 0), d.get("stolen", 0), d.get("skipped", 0),
+                        d.get("nudged", 0), f"{d['hit_ratio']:.1%}" if d.get("hit_ratio") is not None else None]
+                       for m, d in sorted(snap.placement.items())])
     out.append("")
     o = snap.oldest_queued
     out.append("OLDEST QUEUED JOB  " + (f"{o['job_id']}  model {o['model'] or '-'}  priority {o['priority']}"

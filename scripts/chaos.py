@@ -96,14 +96,14 @@ class DoneListener:
 class Deployment:
     """A redis-server of its own (so it can be killed and restarted) and a pagedq stack on it."""
 
-    def __init__(self, workdir: Path, **settings: object) -> None:
+    def __init__(self, workdir: Path, gpu_workers: int = 1, **settings: object) -> None:
         self.workdir = workdir
         self.redis = RedisServer(workdir / "redis", write_run_file=False)
         self.redis.start()
         base = dict(broker_url=self.redis.url, result_cache=False, kv_cache_memory="256MiB", worker_ttl_s=6,
                     progress_interval_s=0.5, model_wait_s=120)
         self.settings = Settings(**{**base, **settings})
-        self.stack = Stack(self.settings, log_dir=workdir / "logs").start()
+        self.stack = Stack(self.settings, gpu_workers=gpu_workers, log_dir=workdir / "logs").start()
         self.client = Client(self.settings, self.redis.url)
         names = self.client.names
         self.done = DoneListener(self.redis.url, names.done_channel("*"), names.done_channel(""))
@@ -277,6 +277,39 @@ def gpu_kill(jobs: int = 24, tokens: int = 160) -> Row:
         row.notes.append(f"{len(interrupted)} running at the kill; recover = all of them running again "
                          f"(lease {d.settings.worker_ttl_s} s, new worker's model load included)")
         return d.settle(row, ids)
+
+
+def placement_kill(jobs: int = 16, tokens: int = 160) -> Row:
+    """Cache-aware placement, two GPU workers: conversations' first turns run, then their next turns (history +
+    more tokens), each placed on the worker holding its history; kill -9 of the worker holding the most while
+    those turns run, no replacement: every turn completes once on the other worker."""
+    row = Row("kill -9 cache holder (placement, 2 GPU workers)")
+    with deployment(gpu_workers=2, fair_share=True, placement=True, max_num_seqs=jobs) as d:
+        d.stack.wait_ready(600)
+        histories = [[random.randint(100, 30000) for _ in range(random.randint(100, 250))] for _ in range(jobs)]
+        first = [d.client.submit(prompt=h, max_tokens=2, **GREEDY) for h in histories]
+        for job in first:
+            d.client.result(job, timeout=DEADLINE_S)
+        holders = [d.status(j).worker for j in first]
+        victim = next(c for c in d.stack.children if c.hostname == Counter(holders).most_common(1)[0][0])
+        ids = [d.client.submit(prompt=h + [random.randint(100, 30000) for _ in range(20)], max_tokens=tokens,
+                               **GREEDY) for h in histories]
+        d.wait_for(lambda: sum(d.status(j).worker == victim.hostname and d.status(j).state == "in_progress"
+                               for j in ids) >= 2, DEADLINE_S)
+        interrupted = [j for j in ids if not d.status(j).done and d.status(j).worker in (None, victim.hostname)]
+        placed = sum(d.status(j).worker == h for j, h in zip(ids, holders, strict=True))
+        victim.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        victim.proc.wait()
+        d.stack.children.remove(victim)
+        survivor = next(c.hostname for c in d.stack.children if c.role == "gpu")
+        d.wait_for(lambda: all(d.status(j).done or (d.status(j).worker == survivor and
+                                                    d.status(j).state == "in_progress") for j in interrupted),
+                   DEADLINE_S)
+        row.recover_s = time.monotonic() - killed
+        row.notes.append(f"{placed} of {jobs} next turns started on their history's worker; {len(interrupted)} "
+                         f"of the victim's running or waiting at the kill")
+        return d.settle(row, first + ids)
 
 
 def cpu_kill(jobs: int = 60, tokens: int = 16) -> Row:
@@ -596,7 +629,7 @@ def redis_kill_busy(jobs: int = 40, lo: int = 32, hi: int = 500, ttl_s: int = 15
 SCENARIOS: dict[str, Callable[..., Row]] = {
     "gpu_kill": gpu_kill, "cpu_kill": cpu_kill, "stage_kill": stage_kill, "redis_kill": redis_kill,
     "sigterm": sigterm, "redis_pause": redis_pause, "garbage": garbage, "backlog": backlog,
-    "all_kill": all_kill, "redis_kill_busy": redis_kill_busy,
+    "all_kill": all_kill, "redis_kill_busy": redis_kill_busy, "placement_kill": placement_kill,
 }
 
 # --jobs / --min-tokens / --max-tokens, for the scenarios that take them

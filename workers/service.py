@@ -477,7 +477,8 @@ class EngineService:
                  "used_blocks": e.block_manager.num_used_blocks, "num_blocks": e.block_manager.num_blocks,
                  "requests": e.num_requests, "inflight": len(self.handles), "preemptions": e.stats.preemptions,
                  "generated_tokens": e.stats.generated_tokens, "jobs_received": self.jobs_received,
-                 "fingerprint": e.fingerprint, "prefix_hits": e.stats.prefix_hits, "updated_at": time.time()}
+                 "fingerprint": e.fingerprint, "prefix_hits": e.stats.prefix_hits,
+                 "prompt_tokens_computed": e.stats.prompt_tokens_computed, "updated_at": time.time()}
         stats.update(self.metrics.record_fields(e))
         target = pipe if pipe is not None else self.r.pipeline(transaction=False)
         key = self.names.worker(self.hostname)

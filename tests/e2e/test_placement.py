@@ -20,6 +20,7 @@ from queue_helpers import DoneCounter, wait_until
 from pagedq.config import Settings
 from pagedq.pipeline import Client
 from pagedq.pipeline.local.stack import Stack
+from pagedq.pipeline.status import render, snapshot
 from pagedq.store.dispatch import FairDispatch
 
 TIMEOUT = 300
@@ -71,6 +72,10 @@ def test_a_conversations_next_turn_runs_where_its_history_is_cached(settings, st
         assert result["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(prompt) - 1) // 16 * 16
     after = fair.placement_stats(settings.model)
     assert after.get("by_cache", 0) - before.get("by_cache", 0) >= len(turns)
+    snap = snapshot(client.r, client.names)  # what `pagedq status` shows
+    assert snap.placement[settings.model]["by_cache"] == after["by_cache"]
+    assert 0 < snap.placement[settings.model]["hit_ratio"] < 1
+    assert "PLACEMENT" in render(snap)
 
 
 def test_kill_9_of_the_worker_holding_the_history_every_turn_completes_once_on_the_other(settings, stack, client):
