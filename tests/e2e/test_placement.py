@@ -15,6 +15,7 @@ import random
 import signal
 
 import pytest
+from engine_fixtures import engine, hf_greedy, sharegpt_prompts
 from queue_helpers import DoneCounter, wait_until
 
 from pagedq.config import Settings
@@ -76,6 +77,28 @@ def test_a_conversations_next_turn_runs_where_its_history_is_cached(settings, st
     assert snap.placement[settings.model]["by_cache"] == after["by_cache"]
     assert 0 < snap.placement[settings.model]["hit_ratio"] < 1
     assert "PLACEMENT" in render(snap)
+
+
+def test_greedy_outputs_through_two_placed_workers_are_hugging_faces(settings, stack, client):
+    """Placement changes where a turn runs, never what it says: first turns (ShareGPT prompts) and next turns
+    (the prompt, Hugging Face's own continuation, more tokens: served from a placed worker's prefix cache) all
+    equal transformers' greedy text."""
+    tokenizer = engine().tokenizer
+    fair = FairDispatch(client.r, client.names)
+    before = fair.placement_stats(settings.model).get("by_cache", 0)
+    tokens = 12
+    prompts = [p for p in sharegpt_prompts() if len(p) > 40][:4]
+
+    def same_as_hf(turn: list[list[int]]) -> list[list[int]]:
+        jobs = [client.submit(prompt=p, max_tokens=tokens, **GREEDY) for p in turn]
+        expected = [hf_greedy(p, tokens) for p in turn]
+        got = [client.result(j, timeout=TIMEOUT)["choices"][0]["text"] for j in jobs]
+        assert got == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
+        return expected
+
+    replies = same_as_hf(prompts)
+    same_as_hf([p + r + [random.randint(100, 30000) for _ in range(8)] for p, r in zip(prompts, replies, strict=True)])
+    assert fair.placement_stats(settings.model).get("by_cache", 0) - before >= len(prompts)
 
 
 def test_kill_9_of_the_worker_holding_the_history_every_turn_completes_once_on_the_other(settings, stack, client):
