@@ -48,3 +48,14 @@ class DoneCounter:
         self.thread.stop()
         self.thread.join(timeout=5)
         self.pubsub.close()
+
+
+def completed_once_on(worker, client: Client, counter: DoneCounter, jobs: list[str], running: list[str],
+                      tokens: int) -> None:
+    """Every job completes whole and is published once; those running at the fault finished on ``worker``."""
+    results = [client.result(j, timeout=600) for j in jobs]
+    wait_until(lambda: all(counter.counts[j] >= 1 for j in jobs), 30, what="every publication")
+    counter.stop()
+    assert all(r["usage"]["completion_tokens"] == tokens for r in results)
+    assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
+    assert all(client.status(j).worker == worker.hostname for j in running)

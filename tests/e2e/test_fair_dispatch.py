@@ -20,7 +20,7 @@ import urllib.request
 import uuid
 
 import pytest
-from queue_helpers import DoneCounter, wait_until
+from queue_helpers import DoneCounter, completed_once_on, wait_until
 
 from pagedq.config import Settings
 from pagedq.config.celery_app import send_dispatch_token
@@ -209,17 +209,6 @@ def assert_clean(client: Client) -> None:
     assert client.r.zcard(client.names.active_jobs) == 0
     assert client.r.hlen(client.names.fair_index) == 0
     assert not list(client.r.scan_iter(match=client.names.slot("*"), count=1000))
-
-
-def completed_once_on(worker, client: Client, counter: DoneCounter, jobs: list[str], running: list[str],
-                      tokens: int) -> None:
-    """Every job completes whole and is published once; those running at the fault finished on ``worker``."""
-    results = [client.result(j, timeout=600) for j in jobs]
-    wait_until(lambda: all(counter.counts[j] >= 1 for j in jobs), 30, what="every publication")
-    counter.stop()
-    assert all(r["usage"]["completion_tokens"] == tokens for r in results)
-    assert all(counter.counts[j] == 1 for j in jobs), f"published twice or never: {counter.counts}"
-    assert all(client.status(j).worker == worker.hostname for j in running)
 
 
 def test_a_worker_keeps_the_names_of_its_cached_blocks_in_redis(settings, stack, client):
