@@ -302,6 +302,10 @@ class Names:
         """Hash: counts of the model's placement decisions (by_cache, by_load, stolen, skipped, nudged)."""
         return f"{self.key_prefix}placement:{model_slug(model)}:stats"
 
+    def placement_session(self, model: str, session: str) -> str:
+        """String with a TTL: the GPU worker a session's last job of the model was placed on (affinity)."""
+        return f"{self.key_prefix}placement:{model_slug(model)}:session:{session}"
+
     def worker_queue(self, model: str, hostname: str) -> str:
         """Queue of one GPU worker alone (beside its model's queue): dispatch tokens sent to it by placement's
         nudges.  A nudge is always a spare token (the job it is for keeps its own), so one left on a dead

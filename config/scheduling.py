@@ -18,12 +18,15 @@ DEFAULT_TENANT = "default"
 class SchedulingMeta:
     """``priority``: 0-9, 9 most urgent (strict across bands).  ``tenant``: whose service the job is charged
     to (fair share within a band).  ``deadline``: the latest start time (Redis clock, seconds since the epoch),
-    or None.  ``arrival``: when the job was accepted (Redis clock), the last tie-breaker."""
+    or None.  ``arrival``: when the job was accepted (Redis clock), the last tie-breaker.  ``session``: the
+    request's ``prompt_cache_key`` (else its ``user``), or None: placement keeps a session's jobs on one worker
+    when no worker holds a prefix of its prompt (``fleet.placement``)."""
 
     tenant: str = DEFAULT_TENANT
     priority: int = 5
     deadline: float | None = None
     arrival: float = 0.0
+    session: str | None = None
 
     def order_within_tenant(self) -> tuple[float, float]:
         """Earliest start deadline first (none = last), then arrival."""
@@ -37,4 +40,4 @@ class SchedulingMeta:
         deadline = raw.get("deadline")
         return cls(tenant=str(raw.get("tenant") or DEFAULT_TENANT), priority=int(raw.get("priority", 5)),
                    deadline=None if deadline in (None, "") else float(deadline),
-                   arrival=float(raw.get("arrival") or 0.0))
+                   arrival=float(raw.get("arrival") or 0.0), session=raw.get("session") or None)

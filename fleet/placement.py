@@ -11,9 +11,12 @@ Placement stays a *pull*: a worker X with a free seat asks for a job, and ``deci
 jobs of the fleet order (``FairQueue.candidates``: the highest band only, tenants by counter), the first X
 may take:
 
-- no live worker holds any of J's blocks: anyone may (blind pull, ``by_load``);
+- no live worker holds any of J's blocks (nor is J's session's last worker live: below): anyone may (blind
+  pull, ``by_load``);
 - X costs at most ``slack_tokens`` more than every other live worker with a free seat (``by_cache`` when X
   holds part of J, else ``by_load``): a hot prefix spreads once its worker is loaded or full;
+- (session affinity) when no worker holds any of J's blocks but J's session (``prompt_cache_key`` or
+  ``user``) last ran on a live worker S, S counts as holding ``session_blocks`` blocks (``by_session``);
 - J has waited ``steal_s`` (``stolen``): a job whose worker died, drains or is busy runs elsewhere.
 
 When X may take none, nothing changes hands: X is told which worker to nudge (the cheapest for the first
@@ -45,6 +48,7 @@ class PlacementPolicy:
     steal_s: float = 0.5
     candidates: int = 8  # jobs of the fleet order looked at per claim
     per_tenant: int = 2  # of them, at most this many per tenant
+    session_blocks: int = 4  # a session's last worker counts as holding this many blocks when none holds any
 
 
 @dataclass(frozen=True)
@@ -61,13 +65,14 @@ class WorkerLoad:
 @dataclass(frozen=True)
 class Candidate:
     """A waiting job: its prompt's block names (leading blocks, at most a bound), its prompt length, since when
-    it waits (the Redis clock), and the worker it was nudged to, if any."""
+    it waits (the Redis clock), the worker it was nudged to, and its session's last worker, if any."""
 
     key: str
     blocks: Sequence[str]
     prompt_tokens: int
     since: float
     nudged: str | None = None
+    session_worker: str | None = None  # the worker its session's last job was placed on (affinity)
 
 
 @dataclass(frozen=True)
@@ -88,26 +93,36 @@ def matched(blocks: Sequence[str], cached: Collection[str]) -> int:
     return n
 
 
-def cost(job: Candidate, worker: WorkerLoad, policy: PlacementPolicy) -> float:
-    computed = max(job.prompt_tokens - policy.block_size * matched(job.blocks, worker.cached), 0)
-    return computed + policy.load_weight * worker.load_tokens
+def cost(job: Candidate, worker: WorkerLoad, policy: PlacementPolicy, held: int | None = None) -> float:
+    """``held``: the job's leading blocks the worker holds (default: counted from its cache)."""
+    held = matched(job.blocks, worker.cached) if held is None else held
+    return max(job.prompt_tokens - policy.block_size * held, 0) + policy.load_weight * worker.load_tokens
 
 
-def cheapest(job: Candidate, workers: Sequence[WorkerLoad], policy: PlacementPolicy) -> WorkerLoad | None:
-    """The worker of least cost (ties: by name), or None."""
-    return min(workers, key=lambda w: (cost(job, w, policy), w.name), default=None)
+def holdings(job: Candidate, workers: Sequence[WorkerLoad], policy: PlacementPolicy) -> dict[str, int]:
+    """Worker -> the job's leading blocks it holds.  When none holds any, its session's last worker counts as
+    holding ``session_blocks`` (affinity for prompts whose prefix changed, e.g. a summarised history)."""
+    held = {w.name: matched(job.blocks, w.cached) for w in workers}
+    if not any(held.values()) and job.session_worker in held:
+        held[job.session_worker] = policy.session_blocks
+    return held
 
 
 def judge(job: Candidate, claimer: WorkerLoad, workers: Mapping[str, WorkerLoad], now: float,
           policy: PlacementPolicy) -> tuple[str, WorkerLoad | None]:
-    """(reason, the worker preferred over the claimer): reason is by_cache, by_load or stolen when the
-    claimer may take ``job``, else skipped."""
-    if not any(matched(job.blocks, w.cached) for w in workers.values()):
+    """(reason, the worker preferred over the claimer): reason is by_cache, by_session, by_load or stolen when
+    the claimer may take ``job``, else skipped."""
+    everyone = {**workers, claimer.name: workers.get(claimer.name, claimer)}
+    held = holdings(job, list(everyone.values()), policy)
+    if not any(held.values()):
         return "by_load", None
-    others = [w for w in workers.values() if w.name != claimer.name and w.free_seats > 0]
-    best = cheapest(job, others, policy)
-    if best is None or cost(job, claimer, policy) <= cost(job, best, policy) + policy.slack_tokens:
-        return ("by_cache" if matched(job.blocks, claimer.cached) else "by_load"), None
+    others = [w for w in everyone.values() if w.name != claimer.name and w.free_seats > 0]
+    best = min(others, key=lambda w: (cost(job, w, policy, held[w.name]), w.name), default=None)
+    if best is None or cost(job, claimer, policy, held[claimer.name]) <= \
+            cost(job, best, policy, held[best.name]) + policy.slack_tokens:
+        if not held[claimer.name]:
+            return "by_load", None
+        return ("by_cache" if matched(job.blocks, claimer.cached) else "by_session"), None
     if now - job.since >= policy.steal_s:
         return "stolen", best
     return "skipped", best

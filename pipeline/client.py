@@ -339,7 +339,7 @@ class Client:
         """The job's first message, carrying its ``SchedulingMeta`` as its record states it."""
         rec = record or self._job_record(req, None)
         meta = SchedulingMeta(tenant=rec["tenant"], priority=req.priority, deadline=rec.get("expires_at"),
-                              arrival=rec["created_at"])
+                              arrival=rec["created_at"], session=req.prompt_cache_key or req.user or None)
         return PreprocessJob(job_id, url, request_body(req), meta)
 
     def _write_weights(self, tenants: Iterable[str]) -> None:

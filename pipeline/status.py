@@ -149,7 +149,7 @@ class Snapshot:
     jobs_truncated: bool
     # tenant -> {"waiting", "running", "weight", "oldest_waiting_s"}: the backlog per tenant
     tenants: dict[str, dict] = field(default_factory=dict)
-    # model -> {"by_cache", "by_load", "stolen", "skipped", "nudged", "hit_ratio"}: cache-aware placement's
+    # model -> {"by_cache", "by_session", "by_load", "stolen", "skipped", "nudged", "hit_ratio"}: cache-aware placement's
     # decisions, and the share of its live GPU workers' prompt tokens served from their prefix caches
     placement: dict[str, dict] = field(default_factory=dict)
 
@@ -312,9 +312,9 @@ def render(snap: Snapshot) -> str:
         if tenant_rows_ else ["  (none)"]
     if snap.placement:
         out += ["", "PLACEMENT (cache-aware claims per model; hit ratio: prompt tokens served from the workers' caches)"]
-        out += _table(["MODEL", "BY CACHE", "BY LOAD", "STOLEN", "SKIPPED", "NUDGED", "FLEET HIT RATIO"],
-                      [[m, d.get("by_cache", 0), d.get("by_load", 0), d.get("stolen", 0), d.get("skipped", 0),
-                        d.get("nudged", 0), f"{d['hit_ratio']:.1%}" if d.get("hit_ratio") is not None else None]
+        out += _table(["MODEL", "BY CACHE", "BY SESSION", "BY LOAD", "STOLEN", "SKIPPED", "NUDGED", "FLEET HIT RATIO"],
+                      [[m, *(d.get(k, 0) for k in ("by_cache", "by_session", "by_load", "stolen", "skipped", "nudged")),
+                        f"{d['hit_ratio']:.1%}" if d.get("hit_ratio") is not None else None]
                        for m, d in sorted(snap.placement.items())])
     out.append("")
     o = snap.oldest_queued

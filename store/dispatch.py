@@ -45,6 +45,7 @@ from pagedq.config.scheduling import DEFAULT_TENANT
 from pagedq.fleet.placement import PlacementPolicy
 
 BANDS = range(9, -1, -1)  # priority 9 (most urgent) first
+SESSION_TTL_S = 600  # placement remembers a session's last worker this long after its last claim
 
 # Shared Lua: put entry ``e`` (decoded fair_index value) into its band, lifting a returning tenant first;
 # take a waiting member out of its band.  Both keep fair_tenants / fair_waiting in step with the band sets.
@@ -176,7 +177,7 @@ return false
 
 # KEYS[1-4], ARGV[1-4]: as _BIND; KEYS[5]: the model's placement workers, KEYS[6]: its placement stats.  ARGV[5]:
 # worker-record prefix, ARGV[6]: cache-set prefix (``kv:<slug>:``), ARGV[7]: the claimer, ARGV[8]: the policy
-# JSON (``fleet.placement.PlacementPolicy``).  The rule of ``fleet.placement.decide`` over the first jobs of the
+# JSON (``fleet.placement.PlacementPolicy``), ARGV[9]: session-key prefix, ARGV[10]: a session's TTL (s).  The rule of ``fleet.placement.decide`` over the first jobs of the
 # highest band (``FairQueue.candidates``).  Returns the claimed job's message; or {'skip', worker to nudge or '',
 # seconds until a candidate may be stolen} (nothing changed but the nudge mark and the counters); false when
 # nothing waits.
@@ -196,7 +197,10 @@ for _, h in ipairs(redis.call('SMEMBERS', KEYS[5])) do
     if h == ARGV[7] then me = w end
   end
 end
-if me == nil then me = {name = ARGV[7], kv = ARGV[6] .. ARGV[7], free = 1, load = 0} end
+if me == nil then
+  me = {name = ARGV[7], kv = ARGV[6] .. ARGV[7], free = 1, load = 0}
+  workers[#workers + 1] = me
+end
 local function matched(w, blocks)
   local n = 0
   for _, b in ipairs(blocks) do
@@ -210,20 +214,27 @@ local function cost(job, n, w)
 end
 -- (reason, preferred worker) for one candidate, as fleet.placement.judge
 local function judge(job)
-  local any, mine = false, matched(me, job.blocks)
+  local held, any = {}, false
+  for _, w in ipairs(workers) do
+    held[w.name] = matched(w, job.blocks)
+    if held[w.name] > 0 then any = true end
+  end
+  if not any and job.session and held[job.session] ~= nil then  -- affinity: its session's last worker
+    held[job.session] = P.session_blocks
+    any = P.session_blocks > 0
+  end
+  if not any then return 'by_load', nil end
   local best, bcost
   for _, w in ipairs(workers) do
-    local n = w == me and mine or matched(w, job.blocks)
-    if n > 0 then any = true end
     if w ~= me and w.free > 0 then
-      local c = cost(job, n, w)
+      local c = cost(job, held[w.name], w)
       if best == nil or c < bcost or (c == bcost and w.name < best.name) then best, bcost = w, c end
     end
   end
-  if not any then return 'by_load', nil end
-  if best == nil or cost(job, mine, me) <= bcost + P.slack_tokens then
-    if mine > 0 then return 'by_cache', nil end
-    return 'by_load', nil
+  if best == nil or cost(job, held[me.name], me) <= bcost + P.slack_tokens then
+    if held[me.name] == 0 then return 'by_load', nil end
+    if matched(me, job.blocks) > 0 then return 'by_cache', nil end
+    return 'by_session', nil
   end
   if now - job.since >= P.steal_s then return 'stolen', best end
   return 'skipped', best
@@ -260,11 +271,13 @@ for p = 9, 0, -1 do
       local raw = redis.call('HGET', KEYS[3], id)
       local e = raw and cjson.decode(raw) or {}
       j.blocks, j.prompt, j.since = e.blocks or {}, tonumber(e.prompt or '0'), tonumber(e.since or now)
+      if e.session then j.session = redis.call('GET', ARGV[9] .. e.session) or nil end
       local reason, best = judge(j)
       if reason ~= 'skipped' then
         local msg = bind(p, j.t, j.c, j.m)
         if msg then
           redis.call('HINCRBY', KEYS[6], reason, 1)
+          if e.session then redis.call('SET', ARGV[9] .. e.session, me.name, 'EX', ARGV[10]) end
           if redis.call('EXISTS', ARGV[5] .. me.name) == 1 then
             local n = matched(me, j.blocks)
             redis.call('HINCRBYFLOAT', ARGV[5] .. me.name, 'claimed_tokens', math.max(j.prompt - P.block_size * n, 0))
@@ -419,6 +432,8 @@ class FairDispatch:
                  "prompt": str(len(job.prompt_token_ids))}
         if blocks:
             entry["blocks"] = list(blocks)
+        if job.meta.session:
+            entry["session"] = job.meta.session
         self._push(keys=[n.fair_index, n.fair_message(job.job_id), n.fair_seq(job.model)],
                    args=[job.job_id, json.dumps(to_json(job)), json.dumps(entry), arrival_key(arrival)])
 
@@ -448,7 +463,8 @@ class FairDispatch:
                 keys=[n.vtc(model), n.tenant_weights, n.fair_index, n.slot(slot), n.placement_workers(model),
                       n.placement_stats(model)],
                 args=[n.fair_prefix(model), slot, self._job_prefix, self._message_prefix, n.worker(""),
-                      n.kv_blocks(model, ""), worker, json.dumps(asdict(policy))])
+                      n.kv_blocks(model, ""), worker, json.dumps(asdict(policy)), n.placement_session(model, ""),
+                      SESSION_TTL_S])
         except redis.ResponseError as e:
             if "SLOTBUSY" in str(e):
                 raise SlotBusy(f"slot {slot!r} of {worker!r} is bound to job {self.bound_job(slot)!r}") from None

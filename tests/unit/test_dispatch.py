@@ -350,12 +350,18 @@ def test_a_placed_claim_decides_as_the_placement_oracle_on_random_fleets(redis, 
         redis.sadd(names.kv_blocks(MODEL, h), *cached)
     redis.sadd(names.placement_workers(MODEL), "gone-host")  # no record: dropped by the first claim
     tenants = [f"t{i}-{uuid.uuid4().hex[:4]}" for i in range(3)]
+    sessions = [f"s{i}-{uuid.uuid4().hex[:4]}" for i in range(4)]
+    for session in sessions[:3]:  # the last one has no worker yet
+        redis.set(names.placement_session(MODEL, session), random.choice(hosts))
     oracle: FairQueue[str] = FairQueue()
     jobs: dict[str, GenerateJob] = {}
     for i in range(random.randint(12, 30)):
         chain = random.choice(chains)
         blocks = chain[:random.randint(1, len(chain))] + [uuid.uuid4().hex for _ in range(random.randint(0, 2))]
-        meta = SchedulingMeta(random.choice(tenants), random.choice([3, 5]), None, float(i))
+        if random.random() < 0.3:  # a prompt no worker holds any of (a summarised history)
+            blocks = [uuid.uuid4().hex for _ in range(random.randint(1, 6))]
+        meta = SchedulingMeta(random.choice(tenants), random.choice([3, 5]), None, float(i),
+                              random.choice([None, *sessions]))
         job = _job(meta, prompt=16 * len(blocks) + random.randint(1, 15), max_tokens=random.randint(1, 40))
         jobs[job.job_id] = job
         _create_records(redis, names, [job])
@@ -380,8 +386,10 @@ def test_a_placed_claim_decides_as_the_placement_oracle_on_random_fleets(redis, 
         candidates = []
         for key in oracle.candidates(policy.candidates, policy.per_tenant):
             entry = json.loads(redis.hget(names.fair_index, key))
+            session = entry.get("session")
             candidates.append(Candidate(key, entry.get("blocks", []), int(entry["prompt"]), float(entry["since"]),
-                                        entry.get("nudged")))
+                                        entry.get("nudged"), session and redis.get(names.placement_session(MODEL,
+                                                                                                             session))))
         want = decide(candidates, claimer, workers, _redis_now(redis), policy)
         before = dispatch.placement_stats(MODEL)
         got = dispatch.claim_placed(MODEL, claimer, f"slot-{step}", policy)
@@ -392,6 +400,8 @@ def test_a_placed_claim_decides_as_the_placement_oracle_on_random_fleets(redis, 
         else:
             assert isinstance(got, GenerateJob) and got.job_id == want.key, f"step {step}: {got} vs {want}"
             assert after.get(want.reason, 0) == before.get(want.reason, 0) + 1
+            if got.meta.session:
+                assert redis.get(names.placement_session(MODEL, got.meta.session)) == claimer
             oracle.remove(want.key)
             oracle.counters.counters.update(dispatch.counters(MODEL))
         seen[want.reason] = seen.get(want.reason, 0) + 1

@@ -92,3 +92,20 @@ def test_candidates_are_the_fleet_order_of_the_highest_band_a_few_per_tenant():
     assert queue.candidates(3) == ["light-0", "light-1", "mid-0"]
     assert queue.candidates(8, per_tenant=1) == ["light-0", "mid-0", "heavy-0"]
     assert queue.candidates(1) == [queue.peek()]
+
+
+def test_a_session_stays_on_its_worker_when_no_worker_holds_its_prompt():
+    """A prompt whose prefix changed (no worker holds any of its blocks) goes to its session's last worker, if that
+    one is live and not much busier; without a session, or with its worker gone, to whoever asks."""
+    a = WorkerLoad("a", set(names(4)), load_tokens=random.randint(1, 20), free_seats=2)
+    b = WorkerLoad("b", set(names(4)), load_tokens=random.randint(1, 20), free_seats=2)
+    job = Candidate("j", names(6), 16 * 6 + 3, since=10.0, session_worker="a")
+    assert decide([job], "a", {"a": a, "b": b}, 10.1, POLICY).reason == "by_session"
+    skipped = decide([job], "b", {"a": a, "b": b}, 10.1, POLICY)
+    assert (skipped.reason, skipped.nudge) == ("skipped", "a")  # b would compute 64 tokens more than a
+    assert decide([job], "b", {"b": b}, 10.1, POLICY).reason == "by_load"  # a is gone
+    loose = Candidate("j", job.blocks, job.prompt_tokens, 10.0)
+    assert decide([loose], "b", {"a": a, "b": b}, 10.1, POLICY).reason == "by_load"
+    held = Candidate("j", job.blocks, job.prompt_tokens, 10.0, session_worker="a")
+    b_holds = WorkerLoad("b", set(job.blocks[:3]), b.load_tokens, 2)
+    assert decide([held], "b", {"a": a, "b": b_holds}, 10.1, POLICY).reason == "by_cache"  # a real hit wins
