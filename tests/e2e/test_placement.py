@@ -79,6 +79,23 @@ def test_a_conversations_next_turn_runs_where_its_history_is_cached(settings, st
     assert "PLACEMENT" in render(snap)
 
 
+def test_a_session_stays_on_its_worker_when_its_prompt_changes(settings, stack, client):
+    """``prompt_cache_key`` names a session: a next turn no worker holds any of (a new, summarised history) runs
+    where the session's last turn ran."""
+    fair = FairDispatch(client.r, client.names)
+    before = fair.placement_stats(settings.model).get("by_session", 0)
+    keys = [f"conversation-{random.randrange(10**9)}" for _ in range(6)]
+    first = [client.submit(prompt=history(), max_tokens=2, prompt_cache_key=k, **GREEDY) for k in keys]
+    for job in first:
+        client.result(job, timeout=TIMEOUT)
+    holders = [client.status(j).worker for j in first]
+    turns = [client.submit(prompt=history(), max_tokens=2, prompt_cache_key=k, **GREEDY) for k in keys]
+    for job in turns:
+        client.result(job, timeout=TIMEOUT)
+    assert [client.status(j).worker for j in turns] == holders
+    assert fair.placement_stats(settings.model).get("by_session", 0) - before >= len(turns)
+
+
 def test_greedy_outputs_through_two_placed_workers_are_hugging_faces(settings, stack, client):
     """Placement changes where a turn runs, never what it says: first turns (ShareGPT prompts) and next turns
     (the prompt, Hugging Face's own continuation, more tokens: served from a placed worker's prefix cache) all
