@@ -25,7 +25,7 @@ import time
 
 import redis
 from prometheus_client import CollectorRegistry, make_asgi_app, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagedq.config.names import Names
 from pagedq.pipeline.status import STATES, JobScan, registered_models, scan_jobs, snapshot, worker_rows
@@ -108,6 +108,20 @@ class DeploymentCollector:
             tenant_oldest.add_metric([tenant], row["oldest_waiting_s"] or 0.0)
         yield tenant_jobs
         yield tenant_oldest
+
+        decisions = CounterMetricFamily("pagedq_placement_decisions", "Placed claims by what decided them "
+                                        "(by_cache, by_session, by_load, stolen) and claims that took nothing "
+                                        "(skipped), with nudges sent (PAGEDQ_PLACEMENT)", labels=["model", "decision"])
+        hit_ratio = GaugeMetricFamily("pagedq_fleet_prefix_hit_ratio", "Prompt tokens the model's live GPU workers "
+                                      "served from their prefix caches, of all they were given", labels=["model"])
+        for model, row in snap.placement.items():
+            for decision, n in row.items():
+                if decision != "hit_ratio":
+                    decisions.add_metric([model, decision], n)
+            if row.get("hit_ratio") is not None:
+                hit_ratio.add_metric([model], row["hit_ratio"])
+        yield decisions
+        yield hit_ratio
 
         workers = GaugeMetricFamily("pagedq_workers", "Live workers (records not expired) by role and model",
                                     labels=["role", "model"])

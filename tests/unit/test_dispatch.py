@@ -407,3 +407,30 @@ def test_a_placed_claim_decides_as_the_placement_oracle_on_random_fleets(redis, 
         seen[want.reason] = seen.get(want.reason, 0) + 1
     assert redis.sismember(names.placement_workers(MODEL), "gone-host") == 0
     assert sum(n for r, n in seen.items() if r != "skipped") > 0
+
+
+def test_status_and_exporter_show_placement_decisions_and_the_fleet_hit_ratio(redis, names):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedq.pipeline.exporter import deployment_registry
+    from pagedq.pipeline.status import render, snapshot
+    from pagedq.store.registry import Heartbeat, ModelInfo, register_model
+
+    register_model(redis, names, ModelInfo(MODEL, "fp", 2048, 1000, names.generate_queue(MODEL), block_size=16))
+    decisions = {"by_cache": random.randint(1, 50), "by_load": random.randint(1, 50), "skipped": random.randint(1, 9)}
+    redis.hset(names.placement_stats(MODEL), mapping=decisions)
+    hits, computed = [random.randint(100, 900) for _ in range(2)], [random.randint(100, 900) for _ in range(2)]
+    for i in range(2):
+        Heartbeat(redis, names.worker(f"gpu-{i}"), {"role": "gpu", "model": MODEL, "prefix_hits": hits[i],
+                                                   "prompt_tokens_computed": computed[i]}, ttl_s=30)
+    snap = snapshot(redis, names)
+    ratio = sum(hits) / (sum(hits) + sum(computed))
+    assert snap.placement[MODEL] == {**decisions, "hit_ratio": round(ratio, 4)}
+    assert "PLACEMENT" in render(snap) and f"{ratio:.1%}" in render(snap)
+    text = generate_latest(deployment_registry(redis, names)).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    for decision, n in decisions.items():
+        assert samples[("pagedq_placement_decisions_total", (("decision", decision), ("model", MODEL)))] == n
+    assert samples[("pagedq_fleet_prefix_hit_ratio", (("model", MODEL),))] == round(ratio, 4)
