@@ -440,7 +440,7 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
         store.update(job.job_id, completion_tokens=tokens, aborted_at_step=handle.finished_step)
         store.finish(job.job_id, JobState.CANCELLED)
         raise JobNotCompleted(f"job {job.job_id} cancelled after {tokens} tokens")
-    store.update(job.job_id, completion_tokens=tokens)
+    store.update(job.job_id, completion_tokens=tokens, generated_at=time.time())  # the latency budget's engine end
     completion = Completion(
         request_id=job.job_id, kind=job.kind, model=job.model, text=out.text, output_token_ids=out.output_token_ids,
         num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
