@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     control_secret: SecretStr | None = Field(
         None, description="signs cancel/stream/reload messages to workers; unset = one random key per deployment, "
                           "made once and kept in Redis (<key_prefix>control:key)")
+    redis_master_name: str = Field("pagedq", min_length=1, description="with a sentinel:// broker URL: the name "
+                                   "the sentinels monitor the master under")
+    redis_sentinel_password: SecretStr | None = Field(None, description="with a sentinel:// broker URL: the "
+                                                      "sentinels' own password (requirepass); unset = the URL's")
     redis_ca_file: Path | None = Field(None, description="CA bundle that signs the Redis server's certificate "
                                        "(rediss:// URLs; default: the system's CAs). Certificates are always verified")
     redis_cert_file: Path | None = Field(None, description="client certificate for rediss:// (mutual TLS)")
