@@ -45,9 +45,11 @@ from pagedq.config.names import (
     Names,
     broker_priority,
 )
+from pagedq.config.sentinel import parse_sentinel_url, sentinel_kwargs
 from pagedq.config.settings import Settings
 
 TRANSPORT = "pagedq.store.transport:Transport"
+SENTINEL_TRANSPORT = "pagedq.store.transport:SentinelTransport"
 
 
 class TaskRouter:
@@ -114,6 +116,7 @@ def celery_config(settings: Settings, url: str) -> dict:
             # Two passes at once are safe anyway: each tag is re-checked inside its own transaction.
             "unacked_mutex_expire": max(lease, 1),
             "global_keyprefix": settings.key_prefix,
+            **sentinel_options(settings, url),
         },
         accept_content=["json"],
         result_accept_content=["json"],
@@ -135,13 +138,25 @@ def celery_config(settings: Settings, url: str) -> dict:
     )
 
 
+def sentinel_options(settings: Settings, url: str) -> dict:
+    """With a ``sentinel://`` URL: the master's name, how to reach the sentinels, and socket timeouts and
+    keepalive on every broker connection, so a master that stops answering without closing its sockets turns
+    into a connection error and a new master is asked for (celery/celery#6348)."""
+    address = parse_sentinel_url(url)
+    if address is None:
+        return {}
+    return {"master_name": settings.redis_master_name, "sentinel_kwargs": sentinel_kwargs(settings, address),
+            "socket_timeout": 30, "socket_connect_timeout": 5, "socket_keepalive": True,
+            "health_check_interval": 25}
+
+
 def use_hardened_transport() -> None:
-    """redis:// and rediss:// URLs select the hardened transport in this process.
+    """redis://, rediss:// and sentinel:// URLs select the hardened transport in this process.
 
     Through the URL scheme rather than Celery's ``broker_transport``, so the broker URI keeps its
     ``redis`` scheme for everything that reads it (Flower's Broker page and queue lengths).
     """
-    TRANSPORT_ALIASES.update(redis=TRANSPORT, rediss=TRANSPORT)
+    TRANSPORT_ALIASES.update(redis=TRANSPORT, rediss=TRANSPORT, sentinel=SENTINEL_TRANSPORT)
 
 
 def make_celery(settings: Settings, url: str, main: str = "pagedq") -> Celery:

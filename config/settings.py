@@ -25,6 +25,7 @@ from pydantic_settings import (
 )
 
 from pagedq.config.scheduling import DEFAULT_TENANT
+from pagedq.config.sentinel import parse_sentinel_url
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -181,6 +182,13 @@ class Settings(BaseSettings):
     @classmethod
     def _sizes(cls, value: int | str) -> int:
         return parse_bytes(value)
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_url(cls, value: str | None) -> str | None:
+        if value:
+            parse_sentinel_url(value)  # a sentinel:// URL is checked whole here, once (raises naming the fault)
+        return value
 
     @field_validator("tenant_weights")
     @classmethod

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from pagedq.config.sentinel import SentinelAddress, mask_url, parse_sentinel_url, sentinel_kwargs
 from pagedq.config.settings import Settings
+
+__all__ = ["SentinelAddress", "mask_url", "parse_sentinel_url", "sentinel_kwargs"]  # re-exported from config
 
 RUN_FILE = "redis.json"  # in the embedded server's data dir: {"url": ..., "pid": ...}
 
@@ -45,56 +46,6 @@ def tls_options(url: str, settings: Settings | None) -> dict:
 
 
 MAX_CONNECTIONS = 1024  # per client; a GPU worker runs hundreds of task threads, each may be in a call at once
-
-
-@dataclass(frozen=True)
-class SentinelAddress:
-    """A Sentinel broker URL, in Celery's (and kombu's, and Flower's) form: one ``sentinel://`` URL per sentinel,
-    joined with ``;``.  The user, password and db are the data nodes' (the master's), as kombu reads them."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    username: str | None
-    password: str | None
-    db: int
-
-
-SENTINEL_PORT = 26379
-SENTINEL_TIMEOUT_S = 1.0  # a sentinel that hangs is skipped after this, not waited on (redis/redis-py#1125)
-
-
-def parse_sentinel_url(url: str) -> SentinelAddress | None:
-    """The sentinels of a ``sentinel://...;sentinel://...`` URL, or None for a ``redis(s)://`` URL.  Every part
-    must name the same user, password and db: kombu would silently use the first part's."""
-    parts = [p.strip() for p in url.split(";") if p.strip()]
-    sentinel = [p.startswith("sentinel://") for p in parts]
-    if not any(sentinel):
-        return None
-    if not all(sentinel):
-        raise ValueError("PAGEDQ_BROKER_URL: a sentinel:// URL lists sentinel:// URLs only, joined with ';'")
-    hosts, creds = [], set()
-    for part in parts:
-        u = urlsplit(part)
-        if not u.hostname:
-            raise ValueError(f"PAGEDQ_BROKER_URL: no host in {mask_url(part)!r}")
-        db = (u.path or "/0").strip("/") or "0"
-        if not db.isdigit():
-            raise ValueError(f"PAGEDQ_BROKER_URL: the db in {mask_url(part)!r} is not a number")
-        hosts.append((u.hostname, u.port or SENTINEL_PORT))
-        creds.add((unquote(u.username) if u.username else None, unquote(u.password) if u.password else None,
-                   int(db)))
-    if len(creds) > 1:
-        raise ValueError("PAGEDQ_BROKER_URL: the sentinel:// URLs name different users, passwords or dbs")
-    username, password, db = creds.pop()
-    return SentinelAddress(tuple(hosts), username, password, db)
-
-
-def sentinel_kwargs(settings: Settings | None, address: SentinelAddress) -> dict:
-    """How to reach the sentinels themselves: their password (``PAGEDQ_REDIS_SENTINEL_PASSWORD``, else the
-    URL's) and short timeouts."""
-    secret = settings.redis_sentinel_password if settings is not None else None
-    password = secret.get_secret_value() if secret is not None else address.password
-    return {"password": password, "socket_timeout": SENTINEL_TIMEOUT_S,
-            "socket_connect_timeout": SENTINEL_TIMEOUT_S}
 
 
 class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
@@ -134,19 +85,6 @@ def ping(url: str, timeout: float = 1.0) -> bool:
         return bool(redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout).ping())
     except (redis.RedisError, OSError, ValueError):
         return False
-
-
-def mask_url(url: str) -> str:
-    """The URL fit for a log line: ``redis://user:***@host:port/0`` (each part of a ``;``-joined Sentinel URL)."""
-    if ";" in url:
-        return ";".join(mask_url(part) for part in url.split(";"))
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _alive(pid) -> bool:

@@ -304,3 +304,20 @@ class Transport(kombu_redis.Transport):
                 channel.renew_leases()
             except channel.connection_errors as e:
                 log.warning("could not renew message leases: %s", e)  # the next tick tries again
+
+
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The hardened channel over Redis Sentinel: kombu's Sentinel channel finds the master the sentinels name
+    (``master_name``, ``sentinel_kwargs`` from the transport options) for every new connection; this module's
+    channel adds what it adds to any (garbage dropped, leases, restores that requeue their jobs).  None of the
+    methods ours overrides is one kombu's Sentinel channel defines, so the two combine."""
+
+    QoS = LeaseQoS
+
+
+class SentinelTransport(Transport):
+    """``sentinel://`` URLs (Celery's form: one per sentinel, joined with ``;``)."""
+
+    Channel = SentinelChannel
+    default_port = 26379
+

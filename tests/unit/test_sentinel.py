@@ -13,9 +13,9 @@ import redis
 from queue_helpers import wait_until
 
 from pagedq.config import Settings
+from pagedq.config.sentinel import SENTINEL_PORT
 from pagedq.pipeline.local.redis_server import find_redis_server
 from pagedq.store.connection import (
-    SENTINEL_PORT,
     SentinelAddress,
     mask_url,
     parse_sentinel_url,
@@ -120,3 +120,58 @@ def test_a_client_on_a_sentinel_url_writes_to_the_master_and_follows_a_failover(
     assert new.info("replication")["role"] == "master"
     assert new.get(key) == value and new.get(f"{key}-after") == value
     assert r.get(key) == value
+
+
+def test_a_bad_sentinel_url_fails_the_settings_naming_the_broker_url():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="broker_url"):
+        Settings(broker_url="sentinel://:a@h1:26379/0;sentinel://:b@h2:26379/0")
+
+
+def test_the_hardened_transport_runs_over_sentinel_and_follows_a_failover(topology):
+    """kombu with Celery's own options for a sentinel:// URL: the channel is the hardened one (leases), messages
+    go through the master the sentinel names, and after kill -9 of that master a new connection reaches the
+    promoted replica, where a message sent before the failover (acknowledged by the replica) still waits."""
+    from kombu import Connection
+
+    from pagedq.config.celery_app import celery_config, use_hardened_transport
+    from pagedq.store.transport import LeaseQoS, SentinelChannel
+
+    master, replica, sentinel, data_pw, sentinel_pw = topology
+    settings = Settings(redis_sentinel_password=sentinel_pw, key_prefix="snt:")
+    url = f"sentinel://:{data_pw}@127.0.0.1:{sentinel.port}/0"
+    use_hardened_transport()
+    options = celery_config(settings, url)["broker_transport_options"]
+    assert options["master_name"] == "pagedq" and options["sentinel_kwargs"]["password"] == sentinel_pw
+    sent = [secrets.token_hex(6) for _ in range(3)]
+    with Connection(url, transport_options=options) as conn:
+        queue = conn.SimpleQueue("snt-q")
+        assert isinstance(queue.channel, SentinelChannel) and queue.channel.QoS is LeaseQoS
+        for body in sent:
+            queue.put({"n": body})
+        got = queue.get(timeout=5)
+        assert got.payload == {"n": sent[0]}
+        got.ack()
+        direct = redis.Redis(port=master.port, password=data_pw)
+        assert sum(direct.llen(k) for k in direct.keys("snt:snt-q*")) == 2, "the messages are on the master"
+        assert direct.wait(1, 5000) >= 1
+        queue.close()
+    master.kill()
+    wait_until(lambda: _role(replica.port, data_pw) == "master", 60, interval=0.2, what="the replica promoted")
+    with Connection(url, transport_options=options) as conn:
+        queue = conn.SimpleQueue("snt-q")
+        bodies = []
+        for _ in range(2):
+            msg = queue.get(timeout=10)
+            bodies.append(msg.payload["n"])
+            msg.ack()
+        assert bodies == sent[1:]
+        queue.close()
+
+
+def _role(port: int, password: str) -> str | None:
+    try:
+        return redis.Redis(port=port, password=password, socket_timeout=1).info("replication")["role"]
+    except redis.RedisError:
+        return None
