@@ -84,10 +84,23 @@ def topology(tmp_path):
     nodes = [master, replica, sentinel]
     try:
         wait_until(lambda: _pings(sentinel.port, sentinel_pw), 15, what="the sentinel up")
+        # A failover needs a replica the sentinel knows (it learns them from the master's INFO, every 10 s).
+        wait_until(lambda: _sentinel_knows_a_replica(sentinel.port, sentinel_pw), 30, interval=0.2,
+                   what="the sentinel to know the synced replica")
         yield master, replica, sentinel, data_pw, sentinel_pw
     finally:
         for node in nodes:
             node.kill()
+
+
+def _sentinel_knows_a_replica(port: int, password: str) -> bool:
+    try:
+        replicas = redis.Redis(port=port, password=password, socket_timeout=1,
+                               decode_responses=True).sentinel_slaves("pagedq")
+    except redis.RedisError:
+        return False
+    return any(r.get("is_slave") and not r.get("is_disconnected") and not r.get("is_sdown") and
+               r.get("master-link-status") == "ok" for r in replicas)
 
 
 def _pings(port: int, password: str) -> bool:
