@@ -311,7 +311,8 @@ def render(snap: Snapshot) -> str:
     out += _table(["TENANT", "WAITING", "RUNNING", "WEIGHT", "OLDEST WAITING"], tenant_rows_) \
         if tenant_rows_ else ["  (none)"]
     if snap.placement:
-        out += ["", "PLACEMENT (cache-aware claims per model; hit ratio: prompt tokens served from the workers' caches)"]
+        out += ["", "PLACEMENT (cache-aware claims per model; hit ratio: prompt tokens served from the workers' "
+                    "caches)"]
         out += _table(["MODEL", "BY CACHE", "BY SESSION", "BY LOAD", "STOLEN", "SKIPPED", "NUDGED", "FLEET HIT RATIO"],
                       [[m, *(d.get(k, 0) for k in ("by_cache", "by_session", "by_load", "stolen", "skipped", "nudged")),
                         f"{d['hit_ratio']:.1%}" if d.get("hit_ratio") is not None else None]

@@ -280,7 +280,8 @@ for p = 9, 0, -1 do
           if e.session then redis.call('SET', ARGV[9] .. e.session, me.name, 'EX', ARGV[10]) end
           if redis.call('EXISTS', ARGV[5] .. me.name) == 1 then
             local n = matched(me, j.blocks)
-            redis.call('HINCRBYFLOAT', ARGV[5] .. me.name, 'claimed_tokens', math.max(j.prompt - P.block_size * n, 0))
+            local computed = math.max(j.prompt - P.block_size * n, 0)
+            redis.call('HINCRBYFLOAT', ARGV[5] .. me.name, 'claimed_tokens', computed)
           end
           return msg
         end

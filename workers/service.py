@@ -40,6 +40,7 @@ from pagedq.store.dispatch import SeatsHeld
 from pagedq.store.registry import ModelInfo, register_model
 from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.detokenizer import IncrementalDetokenizer
+from pagedq.workers.engine.block_manager import BlockManager
 from pagedq.workers.engine.executor import ReplicaLostError
 from pagedq.workers.engine.llm_engine import RequestOutput, choice_ids
 from pagedq.workers.llm import LLM, Generation, feed, finish
@@ -117,7 +118,7 @@ class EngineService:
                  thread_budget: ThreadBudget | None = None, publish_cache: bool = False) -> None:
         self._make_engine = make_engine
         self.publish_cache = publish_cache  # keep names.kv_blocks in step with the prefix cache (placement)
-        self._cache_pool: object | None = None  # the BlockManager whose cache the set holds whole, or None
+        self._cache_pool: BlockManager | None = None  # the pool whose cache the set holds whole, or None
         self._cache_written_at = 0.0
         self.thread_budget = thread_budget  # None: the thread count stays as configured
         self.engine: LLM | None = None  # built by the stepping thread in ``start``
@@ -501,7 +502,8 @@ class EngineService:
         held = [(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0),
                  max(seq.params.max_output_tokens - seq.num_output_tokens, 0))
                 for seq in list(self.engine.engine.requests.values())]
-        return {"free_seats": 0 if self.draining else self.free_seats(), "load_tokens": load_tokens(held), "claimed_tokens": 0}
+        free = 0 if self.draining else self.free_seats()  # a draining worker is never preferred
+        return {"free_seats": free, "load_tokens": load_tokens(held), "claimed_tokens": 0}
 
     def _publish_cache(self, pipe) -> None:
         """The prefix cache's block names into ``names.kv_blocks``: the whole set when the pool is new (start,
