@@ -149,8 +149,8 @@ class Snapshot:
     jobs_truncated: bool
     # tenant -> {"waiting", "running", "weight", "oldest_waiting_s"}: the backlog per tenant
     tenants: dict[str, dict] = field(default_factory=dict)
-    # model -> {"by_cache", "by_session", "by_load", "stolen", "skipped", "nudged", "hit_ratio"}: cache-aware placement's
-    # decisions, and the share of its live GPU workers' prompt tokens served from their prefix caches
+    # model -> {"by_cache", "by_session", "by_load", "stolen", "skipped", "nudged", "hit_ratio"}: cache-aware
+    # placement's decisions, and the share of its live GPU workers' prompt tokens served from their caches
     placement: dict[str, dict] = field(default_factory=dict)
 
     def as_dict(self) -> dict:

@@ -175,12 +175,12 @@ end
 return false
 """
 
-# KEYS[1-4], ARGV[1-4]: as _BIND; KEYS[5]: the model's placement workers, KEYS[6]: its placement stats.  ARGV[5]:
-# worker-record prefix, ARGV[6]: cache-set prefix (``kv:<slug>:``), ARGV[7]: the claimer, ARGV[8]: the policy
-# JSON (``fleet.placement.PlacementPolicy``), ARGV[9]: session-key prefix, ARGV[10]: a session's TTL (s).  The rule of ``fleet.placement.decide`` over the first jobs of the
-# highest band (``FairQueue.candidates``).  Returns the claimed job's message; or {'skip', worker to nudge or '',
-# seconds until a candidate may be stolen} (nothing changed but the nudge mark and the counters); false when
-# nothing waits.
+# KEYS[1-4], ARGV[1-4]: as _BIND; KEYS[5]: the model's placement workers, KEYS[6]: its placement stats.
+# ARGV[5]: worker-record prefix, ARGV[6]: cache-set prefix (``kv:<slug>:``), ARGV[7]: the claimer, ARGV[8]: the
+# policy JSON (``fleet.placement.PlacementPolicy``), ARGV[9]: session-key prefix, ARGV[10]: a session's TTL (s).
+# The rule of ``fleet.placement.decide`` over the first jobs of the highest band (``FairQueue.candidates``).
+# Returns the claimed job's message; or {'skip', worker to nudge or '', seconds until a candidate may be stolen}
+# (nothing changed but the nudge mark and the counters); false when nothing waits.
 _CLAIM_PLACED = _BIND + """
 local P = cjson.decode(ARGV[8])
 local clock = redis.call('TIME')
