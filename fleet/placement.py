@@ -78,7 +78,7 @@ class Candidate:
 @dataclass(frozen=True)
 class Decision:
     key: str | None  # the job to take, or None: take nothing now
-    reason: str  # by_cache, by_load, stolen; or skipped
+    reason: str  # by_cache, by_session, by_load, stolen; or skipped
     nudge: str | None = None  # with skipped: a worker to send a token to (None: nudged already, or nobody)
     retry_in: float = 0.0  # with skipped: seconds until a candidate may be stolen
 

@@ -61,7 +61,7 @@ from pagedq.store.deadlines import DeadlineWatch, start_watching
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore
 from pagedq.store.lost_jobs import LostJobSweep
-from pagedq.store.registry import lookup_model
+from pagedq.store.registry import ModelInfo, lookup_model
 from pagedq.store.result_cache import ResultCache
 from pagedq.workers.celery_worker import run_celery_worker
 from pagedq.workers.engine.block_hash import cache_key, prefix_hashes
@@ -117,8 +117,9 @@ class ModelNotServedError(LookupError):
     pass
 
 
-def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> GenerateJob:
-    """The GenerateJob for a request; raises RequestError, or ModelNotServedError while no worker has it."""
+def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> tuple[GenerateJob, ModelInfo]:
+    """The GenerateJob for a request, and its model as registered; raises RequestError, or ModelNotServedError
+    while no worker has it."""
     req = parse_request(msg.url, msg.body)
     if req.model is None:
         raise RequestError("model: missing (the client fills it in)", "model")
@@ -132,17 +133,16 @@ def prepare(msg: PreprocessJob, r, names: Names, tokenizers: Tokenizers) -> Gene
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "text"
     meta = replace(_scheduling_meta(msg, r, names), priority=req.priority)
     parsing = req.tool_parsing if isinstance(req, ChatCompletionRequest) else ""
-    return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream, meta, parsing)
+    return GenerateJob(msg.job_id, req.model, kind, ids, params, req.priority, req.stream, meta, parsing), info
 
 
 MAX_PLACEMENT_BLOCKS = 128  # a prompt's leading blocks named for placement (2,048 tokens at 16 a block)
 
 
-def prompt_blocks(job: GenerateJob, r, names: Names) -> list[str]:
+def prompt_blocks(job: GenerateJob, info: ModelInfo) -> list[str]:
     """The names of the job's prompt's leading blocks as its model's workers name their cache's blocks
     (``workers.engine.block_hash``, the registered block size and weights); [] while that is not known."""
-    info = lookup_model(r, names, job.model)
-    if info is None or info.block_size <= 0:
+    if info.block_size <= 0:
         return []
     key = cache_key(info.name, info.fingerprint)
     return [h.hex() for h in prefix_hashes(job.prompt_token_ids, info.block_size, key, MAX_PLACEMENT_BLOCKS)]
@@ -170,7 +170,7 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
             store.settle(msg.job_id, verdict)
             raise JobNotCompleted(f"job {msg.job_id} {store.state(msg.job_id)} before preprocessing")
         try:
-            job = prepare(msg, r, names, tokenizers)
+            job, info = prepare(msg, r, names, tokenizers)
         except ModelNotServedError as e:
             if self.request.retries < max_model_waits:
                 raise self.retry(countdown=MODEL_WAIT_RETRY_S) from None
@@ -190,7 +190,7 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
         store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids), preprocessed_at=time.time())
         if fair is not None:  # the job waits in its model's fair queue; a token runs the next one in line
             # before the token, and before this message is acknowledged: never a token too few
-            fair.push(job, prompt_blocks(job, r, names) if settings.placement else None)
+            fair.push(job, prompt_blocks(job, info) if settings.placement else None)
             send_dispatch_token(self.app, job.model, job.priority)
         else:
             self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority),

@@ -69,10 +69,15 @@ local function enqueue(e)
   redis.call('ZADD', e.prefix .. 'band:' .. e.priority .. ':' .. e.tenant, e.deadline, e.member)
   redis.call('SADD', e.prefix .. 'tenants:' .. e.priority, e.tenant)
 end
-local function give_back(vtc, weights, tenant, tokens)
+local function weight_of(weights, tenant)  -- missing or invalid = 1
   local w = tonumber(redis.call('HGET', weights, tenant) or '1')
-  if w == nil or w <= 0 then w = 1 end
-  redis.call('HSET', vtc, tenant, fmt(tonumber(redis.call('HGET', vtc, tenant) or '0') - tokens / w))
+  if w == nil or w <= 0 then return 1 end
+  return w
+end
+local function member_id(member) return string.match(member, '^[^|]*|[^|]*|(.*)$') end
+local function give_back(vtc, weights, tenant, tokens)
+  local c = tonumber(redis.call('HGET', vtc, tenant) or '0')
+  redis.call('HSET', vtc, tenant, fmt(c - tokens / weight_of(weights, tenant)))
 end
 local function unqueue(prefix, priority, tenant, member)
   local band = prefix .. 'band:' .. priority .. ':' .. tenant
@@ -105,14 +110,10 @@ _BIND = _LIB + """
 if redis.call('EXISTS', KEYS[4]) == 1 then return redis.error_reply('SLOTBUSY ' .. ARGV[2]) end
 local prefix = ARGV[1]
 local function score(s) if s == 'inf' or s == '+inf' then return math.huge end return tonumber(s) end
-local function weight(t)
-  local w = tonumber(redis.call('HGET', KEYS[2], t) or '1')
-  if w == nil or w <= 0 then return 1 end
-  return w
-end
+local function weight(t) return weight_of(KEYS[2], t) end
 local function bind(p, tenant, c, member)
   unqueue(prefix, p, tenant, member)
-  local id = string.match(member, '^[^|]*|[^|]*|(.*)$')
+  local id = member_id(member)
   local raw = redis.call('HGET', KEYS[3], id)
   local st = redis.call('HGET', ARGV[3] .. id, 'state')
   local msg = redis.call('GET', ARGV[4] .. id)
@@ -213,17 +214,19 @@ local function cost(job, n, w)
   return math.max(job.prompt - P.block_size * n, 0) + P.load_weight * w.load
 end
 -- (reason, preferred worker) for one candidate, as fleet.placement.judge
+-- Also returns the claimer's own cached blocks of the job (before any session credit).
 local function judge(job)
   local held, any = {}, false
   for _, w in ipairs(workers) do
     held[w.name] = matched(w, job.blocks)
     if held[w.name] > 0 then any = true end
   end
+  local mine = held[me.name]
   if not any and job.session and held[job.session] ~= nil then  -- affinity: its session's last worker
     held[job.session] = P.session_blocks
     any = P.session_blocks > 0
   end
-  if not any then return 'by_load', nil end
+  if not any then return 'by_load', nil, mine end
   local best, bcost
   for _, w in ipairs(workers) do
     if w ~= me and w.free > 0 then
@@ -232,12 +235,12 @@ local function judge(job)
     end
   end
   if best == nil or cost(job, held[me.name], me) <= bcost + P.slack_tokens then
-    if held[me.name] == 0 then return 'by_load', nil end
-    if matched(me, job.blocks) > 0 then return 'by_cache', nil end
-    return 'by_session', nil
+    if held[me.name] == 0 then return 'by_load', nil, mine end
+    if mine > 0 then return 'by_cache', nil, mine end
+    return 'by_session', nil, mine
   end
-  if now - job.since >= P.steal_s then return 'stolen', best end
-  return 'skipped', best
+  if now - job.since >= P.steal_s then return 'stolen', best, mine end
+  return 'skipped', best, mine
 end
 for p = 9, 0, -1 do
   local tkey = prefix .. 'tenants:' .. p
@@ -267,20 +270,19 @@ for p = 9, 0, -1 do
     end
     local nudge, retry, dropped = '', nil, false
     for i, j in ipairs(jobs) do
-      local id = string.match(j.m, '^[^|]*|[^|]*|(.*)$')
+      local id = member_id(j.m)
       local raw = redis.call('HGET', KEYS[3], id)
       local e = raw and cjson.decode(raw) or {}
       j.blocks, j.prompt, j.since = e.blocks or {}, tonumber(e.prompt or '0'), tonumber(e.since or now)
       if e.session then j.session = redis.call('GET', ARGV[9] .. e.session) or nil end
-      local reason, best = judge(j)
+      local reason, best, mine = judge(j)
       if reason ~= 'skipped' then
         local msg = bind(p, j.t, j.c, j.m)
         if msg then
           redis.call('HINCRBY', KEYS[6], reason, 1)
           if e.session then redis.call('SET', ARGV[9] .. e.session, me.name, 'EX', ARGV[10]) end
           if redis.call('EXISTS', ARGV[5] .. me.name) == 1 then
-            local n = matched(me, j.blocks)
-            local computed = math.max(j.prompt - P.block_size * n, 0)
+            local computed = math.max(j.prompt - P.block_size * mine, 0)
             redis.call('HINCRBYFLOAT', ARGV[5] .. me.name, 'claimed_tokens', computed)
           end
           return msg

@@ -309,7 +309,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                 # spare finds nothing.  Not Reject(requeue=True): Celery logs each with a traceback, and a
                 # full worker hands on several a second.  With no other worker serving the model the token
                 # stays and waits again: handing it on would only bring it back here, a message round trip
-                # each (~0.2 per job on a full worker's backlog).
+                # for nothing.
                 send_dispatch_token(self.app, token.model, token.priority)  # a fresh slot: never two on one
                 return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
         d.bound.add(self.request.id, job.job_id)  # Flower learns it from the next progress report
