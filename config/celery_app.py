@@ -167,12 +167,27 @@ def make_celery(settings: Settings, url: str, main: str = "pagedq") -> Celery:
     return app
 
 
-def send_preprocess(app: Celery, msg: PreprocessJob, priority: int, bulk: bool = False) -> None:
-    """Send a job's preprocess message: the producer's send, and the lost-job sweep's resend.  ``bulk`` (a batch's
-    lines, with fair dispatch): one broker step below the job's priority, so a single request is tokenized before
-    a batch of thousands sent just ahead of it; the job's band in the fair queue is its priority all the same."""
-    step = broker_priority(priority) + (1 if bulk else 0)
-    app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=min(step, 9), argsrepr=msg.describe(),
+BULK_FIRST_LINES = 16  # a batch's first lines go one broker step below their priority; each x4 more, one step lower
+
+
+def bulk_step(priority: int, line: int) -> int:
+    """kombu step of a batch's line number ``line`` (0-based): lines 0-15 one step below the priority's, 16-63
+    two, 64-255 three, 256-1,023 four, the rest five (never past 9).  The CPU worker takes the lowest step
+    first, so a batch sent behind another has its first lines tokenized (and claimable: fair dispatch sees
+    the tenant) before the other's tail, instead of after all of it; a single request, one step above any
+    batch line of its priority, goes before both."""
+    depth, bound = 1, BULK_FIRST_LINES
+    while line >= bound and depth < 5:
+        depth, bound = depth + 1, bound * 4
+    return min(broker_priority(priority) + depth, 9)
+
+
+def send_preprocess(app: Celery, msg: PreprocessJob, priority: int, line: int | None = None) -> None:
+    """Send a job's preprocess message: the producer's send, and the lost-job sweep's resend.  ``line`` (a batch's
+    line number, with fair dispatch): its broker step is ``bulk_step``; the job's band in the fair queue is its
+    priority all the same."""
+    step = broker_priority(priority) if line is None else bulk_step(priority, line)
+    app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=step, argsrepr=msg.describe(),
                   kwargsrepr="{}")
 
 

@@ -351,8 +351,9 @@ class Client:
             self.r.hset(self.names.tenant_weights, mapping={t: repr(float(w)) for t, w in due.items()})
             self._weights_written.update(dict.fromkeys(due, time.monotonic()))
 
-    def _send(self, msg: PreprocessJob, priority: int, bulk: bool = False) -> None:
-        send_preprocess(self.app, msg, priority, bulk=bulk and self.settings.fair_share)
+    def _send(self, msg: PreprocessJob, priority: int, line: int | None = None) -> None:
+        """``line``: a batch line's number (its broker step, with fair dispatch: ``bulk_step``)."""
+        send_preprocess(self.app, msg, priority, line=line if self.settings.fair_share else None)
 
     @property
     def batch_priority(self) -> int:
@@ -471,13 +472,14 @@ class Client:
                           tenant_share=self.settings.tenant_backlog_share)
         loop = _SendLoop(self.store, job_ids)
         try:
-            for job_id, (_, req, _url, err), (_, cached) in zip(job_ids, items, lookups, strict=True):
+            sends = zip(job_ids, items, lookups, strict=True)
+            for line, (job_id, (_, req, _url, err), (_, cached)) in enumerate(sends):
                 if err is not None:
                     self.store.finish(job_id, JobState.FAILED, error=err.to_dict())
                 elif cached is not None:
                     self._answer_from_cache(job_id, cached)
                 else:
-                    self._send(msgs[job_id], req.priority, bulk=True)
+                    self._send(msgs[job_id], req.priority, line=line)
                 loop.one_sent()
         except BaseException as e:  # every job written ends: those not sent fail with the reason
             error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")

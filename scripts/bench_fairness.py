@@ -209,6 +209,7 @@ class Job:
     ended: float | None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    preprocessed: float | None = None  # when it could first be claimed (the CPU worker pushed it)
 
 
 def read_jobs(client: Client, tenant_of: dict[str, str]) -> list[Job]:
@@ -228,7 +229,8 @@ def read_jobs(client: Client, tenant_of: dict[str, str]) -> list[Job]:
             jobs.append(Job(tenant_of[job_id], state, float(rec.get("created_at", 0)),
                             float(rec["started_at"]) if rec.get("started_at") else None,
                             float(ended) if ended else None, usage.get("prompt_tokens", 0),
-                            usage.get("completion_tokens", 0)))
+                            usage.get("completion_tokens", 0),
+                            float(rec["preprocessed_at"]) if rec.get("preprocessed_at") else None))
     return jobs
 
 
@@ -380,6 +382,7 @@ class WeightsResult:
     min_jain: float | None
     windows: list[Window] = field(default_factory=list)
     skipped: str | None = None
+    arrivals: dict[str, str] = field(default_factory=dict)  # tenant -> when its jobs were created, claimable, run
 
 
 def stack_settings(args, scratch: Path, fair: str) -> Settings:
@@ -475,7 +478,19 @@ def run_weights(args, base: str, client: Client, fair: str, pair: tuple[Tenant, 
     a, b = (spread([j for j in jobs if j.tenant == t.name], lo, hi, prompt_cost=1.0) for t in pair)
     full = [w.jain for w in ws if w.jain is not None and w.seconds >= 0.999 * args.window]
     jains = full or [w.jain for w in ws if w.jain is not None]  # a short span: its one partial window
-    return WeightsResult(fair, weights, hi - lo, a / b if b else None, min(jains) if jains else None, ws)
+    return WeightsResult(fair, weights, hi - lo, a / b if b else None, min(jains) if jains else None, ws,
+                         arrivals={t.name: arrivals([j for j in jobs if j.tenant == t.name], lo) for t in pair})
+
+
+def arrivals(jobs: list[Job], t0: float) -> str:
+    """When a tenant's jobs were created, preprocessed (claimable from then on) and first started, in seconds
+    from ``t0``."""
+    def span(xs: list[float]) -> str:
+        return f"{min(xs) - t0:+.1f}..{max(xs) - t0:+.1f} s" if xs else "-"
+    claimable = sorted(j.preprocessed for j in jobs if j.preprocessed)
+    half = f" (half by {claimable[len(claimable) // 2] - t0:+.1f} s)" if claimable else ""
+    return (f"created {span([j.created for j in jobs])}, claimable {span(claimable)}{half}, "
+            f"started {span([j.started for j in jobs if j.started])}")
 
 
 def run_setting(args, fair: str, scratch: Path, flood_reqs, chat_reqs, weight_reqs) -> dict:
@@ -547,6 +562,8 @@ def report_weights(r: WeightsResult, tenants: list[str]) -> None:
     ratios = [x.ratio for x in r.windows if x.ratio is not None and x.seconds >= 0.999 * width]
     if ratios:
         print(f"\nper-window service ratio over the {len(ratios)} whole windows: {min(ratios):.2f}..{max(ratios):.2f}")
+    for t, line in r.arrivals.items():
+        print(f"{t}: {line}")
     print(f"\nservice ratio {tenants[0]}/{tenants[1]} (prompt + output tokens) over the span: {ratio} "
           f"(weights {w}); min Jain's index (service / weight) over the whole windows: {jn}", flush=True)
 

@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from queue import Empty
 
 import pytest
 from queue_helpers import DoneCounter, completed_once_on, wait_until
@@ -33,7 +34,7 @@ from pagedq.pipeline.local.stack import settings_env
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.store.registry import lookup_model
-from pagedq.store.transport import slot_of
+from pagedq.store.transport import job_id_of, slot_of
 from pagedq.workers.engine.block_hash import cache_key, prefix_hashes
 from pagedq.workers.processes import free_port
 
@@ -314,3 +315,51 @@ def test_sweep_holds_fair_jobs_tops_up_tokens_and_releases_a_job_whose_token_is_
         assert fair.bound_job(slot) == again.job_id
         for job in jobs:
             client.cancel(job)
+
+
+# --- before the fair queue: the order a CPU worker tokenizes in ----------------------------------------------
+def batch_lines(n: int, tag: str) -> list[dict]:
+    return [{"custom_id": f"{tag}{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": f"{tag} line {i} {uuid.uuid4().hex}", "max_tokens": random.randint(2, 9)}}
+            for i in range(n)]
+
+
+def taken_order(client: Client) -> list[str]:
+    """The preprocess messages' job ids in the order a CPU worker takes them: kombu's own ``_get`` on the
+    hardened channel (lowest broker step first, first in first out within one), until the queue is empty."""
+    order = []
+    with client.app.connection_for_read() as conn:
+        channel = conn.default_channel
+        while True:
+            try:
+                order.append(job_id_of(channel._get(client.names.preprocess_queue)))
+            except Empty:
+                return order
+
+
+@pytest.mark.parametrize("fair_share", [True, False])
+def test_a_batch_sent_behind_another_is_tokenized_before_the_others_tail(redis_url, fair_share):
+    """With fair dispatch a batch's deeper lines go to lower broker steps (``bulk_step``), so a tenant whose batch
+    is sent after another's has its lines tokenized (claimable) after the other's first 16, not after all of them;
+    a single request goes before both; each batch keeps its own line order.  Without fair dispatch: arrival
+    order."""
+    tag = uuid.uuid4().hex[:8]
+    s = Settings(broker_url=redis_url, key_prefix=f"fb{tag}:", queue_prefix=f"fb{tag}.", result_cache=False,
+                 fair_share=fair_share)
+    with Client(s, redis_url, tenant="ahead") as ahead, Client(s, redis_url, tenant="behind") as behind:
+        first = ahead.submit_batch(batch_lines(random.randint(280, 340), "a"))
+        second = behind.submit_batch(batch_lines(random.randint(5, 15), "b"))
+        single = behind.submit(prompt=f"one request {uuid.uuid4().hex}", max_tokens=4)
+        a_ids = ahead.r.lrange(ahead.names.batch_jobs(first), 0, -1)
+        b_ids = ahead.r.lrange(ahead.names.batch_jobs(second), 0, -1)
+        order = taken_order(ahead)
+    assert sorted(order) == sorted([*a_ids, *b_ids, single])
+    at = {job: i for i, job in enumerate(order)}
+    assert [j for j in order if j in set(a_ids)] == a_ids and [j for j in order if j in set(b_ids)] == b_ids
+    if fair_share:
+        assert order[0] == single
+        last_b = max(at[j] for j in b_ids)
+        assert last_b < at[a_ids[16]]  # all of b's lines (fewer than 16) before a's 17th
+        assert min(at[j] for j in a_ids[256:]) > last_b
+    else:
+        assert order == [*a_ids, *b_ids, single]
