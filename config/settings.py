@@ -61,6 +61,11 @@ class Settings(BaseSettings):
                                    "the sentinels monitor the master under")
     redis_sentinel_password: SecretStr | None = Field(None, description="with a sentinel:// broker URL: the "
                                                       "sentinels' own password (requirepass); unset = the URL's")
+    redis_min_replicas_ack: int = Field(0, ge=0, description="replicas that must confirm (WAIT) a job's record "
+                                        "and message before submit returns, and its end before it is announced; "
+                                        "0 = no wait (a failover may lose the master's last writes)")
+    redis_replica_ack_timeout_s: float = Field(5.0, gt=0, description="with redis_min_replicas_ack: how long to "
+                                               "wait for the replicas before raising NotReplicated")
     redis_ca_file: Path | None = Field(None, description="CA bundle that signs the Redis server's certificate "
                                        "(rediss:// URLs; default: the system's CAs). Certificates are always verified")
     redis_cert_file: Path | None = Field(None, description="client certificate for rediss:// (mutual TLS)")

@@ -2,7 +2,7 @@
 
 from pagedq.pipeline.client import BatchStatus, Client, JobFailedError, JobNotFoundError, JobStatus
 from pagedq.pipeline.protocol import RequestError
-from pagedq.store.connection import BrokerUnavailable
+from pagedq.store.connection import BrokerUnavailable, NotReplicated
 
 __all__ = ["BatchStatus", "BrokerUnavailable", "Client", "JobFailedError", "JobNotFoundError", "JobStatus",
-           "RequestError"]
+           "NotReplicated", "RequestError"]

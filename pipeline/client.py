@@ -187,8 +187,7 @@ class Client:
         self.r = redis_client(url, self.settings.broker_timeout_s, self.settings)
         self.names = Names.from_settings(self.settings)
         self.control = ControlChannel(self.r, self.names, configured_secret(self.settings))
-        self.store = JobStore(self.r, self.names, self.settings.result_ttl_s, self.settings.max_attempts,
-                              self.settings.send_grace_s)
+        self.store = JobStore.from_settings(self.r, self.names, self.settings)
         self.app = make_celery(self.settings, url)
         self.cache = ResultCache(self.r, self.names, self.settings.result_cache_ttl_s,
                                  self.settings.result_cache_max_bytes)
@@ -233,15 +232,16 @@ class Client:
                           tenant_share=self.settings.tenant_backlog_share)
         if cached is not None:
             self._answer_from_cache(job_id, cached)
-            return job_id
-        try:
-            self._send(msg, req.priority)
-        except BaseException:
-            self.store.discard(job_id)  # never sent: no trace of it stays
-            raise
-        sending = _SendLoop(self.store, [job_id])
-        sending.one_sent()
-        sending.finish()
+        else:
+            try:
+                self._send(msg, req.priority)
+            except BaseException:
+                self.store.discard(job_id)  # never sent: no trace of it stays
+                raise
+            sending = _SendLoop(self.store, [job_id])
+            sending.one_sent()
+            sending.finish()
+        self.store.replicated([job_id])  # PAGEDQ_REDIS_MIN_REPLICAS_ACK: on the replicas before it is returned
         return job_id
 
     def _cache_lookup(self, url: str, req: AnyRequest) -> tuple[dict, dict | None]:
@@ -490,6 +490,7 @@ class Client:
         loop.finish()
         if not items:
             self.r.hset(bkey, mapping={"state": "completed", "completed_at": now()})
+        self.store.replicated(job_ids)
         return batch_id
 
     def _parse_line(self, line: str | dict, priority: int | None):

@@ -304,7 +304,7 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     app = make_celery(settings, url)
     tokenizers = Tokenizers(settings.state_dir, lambda model: getattr(lookup_model(r, names, model), "path", ""))
     start_warming(tokenizers, settings.model, lambda model: lookup_model(r, names, model) is not None)
-    store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts, settings.send_grace_s)
+    store = JobStore.from_settings(r, names, settings)
     register_cpu_tasks(app, settings, r, store, names, tokenizers)
     sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),
                          interval_s=message_lease_s(settings), owner=hostname, max_resends=settings.max_attempts,

@@ -31,6 +31,16 @@ class BrokerUnavailable(ConnectionError):
     retried."""
 
 
+class NotReplicated(BrokerUnavailable):
+    """Written on the master, but fewer replicas than ``PAGEDQ_REDIS_MIN_REPLICAS_ACK`` confirmed it in time: a
+    failover now may lose it.  ``job_ids``: the jobs it concerns; their writes stand on the master, so look at
+    ``status`` before submitting again."""
+
+    def __init__(self, message: str, job_ids: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.job_ids = list(job_ids or [])
+
+
 def tls_options(url: str, settings: Settings | None) -> dict:
     """redis-py's TLS arguments for a ``rediss://`` URL: certificates always verified (CERT_REQUIRED), against
     ``PAGEDQ_REDIS_CA_FILE`` (else the system's CAs), with a client certificate when one is configured."""

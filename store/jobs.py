@@ -22,6 +22,7 @@ single Redis, which is what a Celery broker is.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 
@@ -29,7 +30,11 @@ import redis
 
 from pagedq.config.messages import RequestError
 from pagedq.config.names import JobState, Names
+from pagedq.config.settings import Settings
+from pagedq.store.connection import NotReplicated
 from pagedq.store.dispatch import FairDispatch
+
+log = logging.getLogger(__name__)
 
 # KEYS: job. ARGV: now, '1' to take the job, the taking worker, max attempts, the worker-record key prefix.
 # The deadline is judged on Redis's clock.  An attempt is counted unless the previous holder is alive and did
@@ -128,7 +133,9 @@ return 0
 """
 
 # KEYS: job hash, result, delta stream, message, active-jobs set, batches-to-finalize set, deadlines.
-# ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id, the delta stream's TTL.
+# ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id, the delta stream's TTL,
+# 'defer' or '' ('defer': publish nothing, return {1, the batch's done channel if it completed, else ''}, for the
+# caller to publish once replicas confirmed the end).
 # A batch's job keeps its record and result (no TTL) until the batch is finalized: the finalizer gives them
 # their TTL once the batch's output is written (pipeline/gateway/batches.py), so no line is lost to a batch
 # that outlives result_ttl_s or is read late.
@@ -136,6 +143,7 @@ _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
 local state, now, ttl = ARGV[1], ARGV[2], ARGV[3]
+local defer, batch_channel = ARGV[9] == 'defer', ''
 redis.call('ZREM', KEYS[5], ARGV[7])
 redis.call('ZREM', KEYS[7], ARGV[7])  -- names.deadlines
 redis.call('DEL', KEYS[4])
@@ -156,13 +164,15 @@ if batch then
   if done >= tonumber(redis.call('HGET', batch, 'total') or '0') then
     redis.call('HSET', batch, 'state', 'completed', 'completed_at', now)
     redis.call('ZADD', KEYS[6], now, redis.call('HGET', KEYS[1], 'batch_id') or '')
-    redis.call('PUBLISH', redis.call('HGET', batch, 'done_channel'), 'completed')
+    batch_channel = redis.call('HGET', batch, 'done_channel')
+    if not defer then redis.call('PUBLISH', batch_channel, 'completed') end
   end
 end
 if redis.call('HGET', KEYS[1], 'stream') == '1' then
   redis.call('XADD', KEYS[3], '*', 'type', 'end', 'state', state)
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[8]) end  -- read by now: gone soon
+if defer then return {1, batch_channel} end
 redis.call('PUBLISH', ARGV[6], state)
 return 1
 """
@@ -198,12 +208,15 @@ def now() -> float:
 
 class JobStore:
     def __init__(self, client: redis.Redis, names: Names, result_ttl_s: int, max_attempts: int = 3,
-                 send_grace_s: float = SEND_GRACE_S) -> None:
+                 send_grace_s: float = SEND_GRACE_S, min_replicas_ack: int = 0,
+                 replica_ack_timeout_s: float = 5.0) -> None:
         self.r = client
         self.names = names
         self.ttl = result_ttl_s
         self.max_attempts = max_attempts
         self.send_grace_s = send_grace_s
+        self.min_replicas_ack = min_replicas_ack
+        self.replica_ack_timeout_s = replica_ack_timeout_s
         self._create = client.register_script(_CREATE)
         self._watch = client.register_script(_WATCH)
         self._discard = client.register_script(_DISCARD)
@@ -211,6 +224,11 @@ class JobStore:
         self._finish = client.register_script(_FINISH)
         self._cancel = client.register_script(_CANCEL)
         self._requeue = client.register_script(_REQUEUE)
+
+    @classmethod
+    def from_settings(cls, client: redis.Redis, names: Names, settings: Settings) -> JobStore:
+        return cls(client, names, settings.result_ttl_s, settings.max_attempts, settings.send_grace_s,
+                   settings.redis_min_replicas_ack, settings.redis_replica_ack_timeout_s)
 
     def create(self, jobs: list[tuple[str, dict]], max_queued: int,
                batch: tuple[str, dict, list[str]] | None = None, messages: dict[str, str] | None = None,
@@ -275,6 +293,26 @@ class JobStore:
         """These jobs' messages are on their queue: from now on the lost-job sweep looks for them."""
         self._watch_from(job_ids, 0.0, later_only=False)
 
+    def replicated(self, job_ids: list[str]) -> None:
+        """With ``min_replicas_ack``: return once that many replicas hold every write the master had made when this
+        is called (the jobs' records and messages included); raise ``NotReplicated`` naming ``job_ids`` after
+        ``replica_ack_timeout_s``.  Without it: at once."""
+        if self.min_replicas_ack:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.time()  # WAIT covers what the master had written when its connection's previous command ran
+            acked = self._wait_behind(pipe)[-1]
+            if acked < self.min_replicas_ack:
+                raise NotReplicated(f"{acked} of the {self.min_replicas_ack} replicas PAGEDQ_REDIS_MIN_REPLICAS_ACK "
+                                    f"asks for confirmed within {self.replica_ack_timeout_s:g} s; the jobs are "
+                                    f"written on the master ({', '.join(job_ids[:3])}{' ...' if len(job_ids) > 3 else ''})",
+                                    job_ids)
+
+    def _wait_behind(self, pipe: redis.client.Pipeline) -> list:
+        """Execute ``pipe`` (one connection, not a transaction: WAIT does not block inside MULTI) with a WAIT for
+        ``min_replicas_ack`` replicas behind it; the replies, the last one the number of replicas that confirmed."""
+        pipe.wait(self.min_replicas_ack, max(1, int(self.replica_ack_timeout_s * 1000)))
+        return pipe.execute()
+
     def keep_pending(self, job_ids: list[str]) -> None:
         """These jobs' sends are still coming (a long send loop): the sweep leaves them ``send_grace_s`` more."""
         self._watch_from(job_ids, self.send_grace_s, later_only=True)
@@ -307,15 +345,34 @@ class JobStore:
                                  self.names.worker("")])
 
     def finish(self, job_id: str, state: JobState, result: dict | None = None, error: dict | None = None) -> bool:
-        """Move a job to a terminal state, once. Returns False if it already was in one."""
+        """Move a job to a terminal state, once. Returns False if it already was in one.  With
+        ``min_replicas_ack`` the end is announced (its done channel, its batch's) only once that many replicas
+        confirmed it: a waiter never hears of an end a failover then erases (one not confirmed in time is not
+        announced at all; waiters find it by polling)."""
         assert state.is_terminal
         n = self.names
-        return bool(self._finish(
-            keys=[n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
-                  n.batches_to_finalize, n.deadlines],
-            args=[state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
-                  json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id,
-                  n.stream_ttl_after_end_s]))
+        keys = [n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
+                n.batches_to_finalize, n.deadlines]
+        args = [state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
+                json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id,
+                n.stream_ttl_after_end_s, "defer" if self.min_replicas_ack else ""]
+        if not self.min_replicas_ack:
+            return bool(self._finish(keys=keys, args=args))
+        pipe = self.r.pipeline(transaction=False)
+        self._finish(keys=keys, args=args, client=pipe)
+        ended, acked = self._wait_behind(pipe)
+        if not ended:
+            return False
+        if acked < self.min_replicas_ack:
+            log.warning("job %s ended %s, but %d of %d replicas confirmed it within %g s: not announced",
+                        job_id, state.value, acked, self.min_replicas_ack, self.replica_ack_timeout_s)
+            return True
+        pipe = self.r.pipeline(transaction=False)
+        pipe.publish(n.done_channel(job_id), state.value)
+        if ended[1]:
+            pipe.publish(ended[1], "completed")
+        pipe.execute()
+        return True
 
     def expire_if_due(self, job_id: str) -> bool:
         """End a job never started and past its ``expires_at``, as a worker taking it would; True if it did."""

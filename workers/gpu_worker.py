@@ -608,7 +608,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
-    store = JobStore(r, names, settings.result_ttl_s, settings.max_attempts, settings.send_grace_s)
+    store = JobStore.from_settings(r, names, settings)
     register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
     placement = Placement(PlacementPolicy(block_size=engine.engine.config.block_size,
                                           steal_s=settings.placement_steal_s)) if settings.placement else None

@@ -4,17 +4,14 @@ against real redis-servers (a master, a replica, a sentinel; passwords on all th
 from __future__ import annotations
 
 import secrets
-import signal
-import subprocess
-from pathlib import Path
 
 import pytest
 import redis
 from queue_helpers import wait_until
+from redis_nodes import Node, pings
 
 from pagedq.config import Settings
 from pagedq.config.sentinel import SENTINEL_PORT
-from pagedq.pipeline.local.redis_server import find_redis_server
 from pagedq.store.connection import (
     SentinelAddress,
     mask_url,
@@ -22,7 +19,6 @@ from pagedq.store.connection import (
     redis_client,
     sentinel_kwargs,
 )
-from pagedq.workers.processes import free_port
 
 
 def test_a_sentinel_url_names_every_sentinel_and_the_data_nodes_credentials():
@@ -51,30 +47,11 @@ def test_a_bad_sentinel_url_is_refused_naming_what_is_wrong(url, what):
     assert "PAGEDQ_BROKER_URL" in str(e.value) and ":a@" not in str(e.value)
 
 
-class Node:
-    """One redis-server process from a config file (``--sentinel`` for a sentinel)."""
-
-    def __init__(self, workdir: Path, name: str, lines: list[str], sentinel: bool = False) -> None:
-        self.port = free_port()
-        workdir.mkdir(parents=True, exist_ok=True)
-        conf = workdir / f"{name}.conf"
-        conf.write_text("\n".join([f"port {self.port}", "bind 127.0.0.1", f"dir {workdir}", "save \"\"",
-                                   "appendonly no", *lines]) + "\n")
-        conf.chmod(0o600)
-        self.proc = subprocess.Popen([find_redis_server(), str(conf), *(["--sentinel"] if sentinel else [])],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-
 @pytest.fixture
 def topology(tmp_path):
     data_pw, sentinel_pw = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     master = Node(tmp_path / "m", "master", [f"requirepass {data_pw}", f"masterauth {data_pw}"])
-    wait_until(lambda: _pings(master.port, data_pw), 15, what="the master up")
+    wait_until(lambda: pings(master.port, data_pw), 15, what="the master up")
     replica = Node(tmp_path / "r", "replica", [f"requirepass {data_pw}", f"masterauth {data_pw}",
                                                f"replicaof 127.0.0.1 {master.port}"])
     sentinel = Node(tmp_path / "s", "sentinel", [
@@ -83,7 +60,7 @@ def topology(tmp_path):
         "sentinel failover-timeout pagedq 5000"], sentinel=True)
     nodes = [master, replica, sentinel]
     try:
-        wait_until(lambda: _pings(sentinel.port, sentinel_pw), 15, what="the sentinel up")
+        wait_until(lambda: pings(sentinel.port, sentinel_pw), 15, what="the sentinel up")
         # A failover needs a replica the sentinel knows (it learns them from the master's INFO, every 10 s).
         wait_until(lambda: _sentinel_knows_a_replica(sentinel.port, sentinel_pw), 30, interval=0.2,
                    what="the sentinel to know the synced replica")
@@ -101,13 +78,6 @@ def _sentinel_knows_a_replica(port: int, password: str) -> bool:
         return False
     return any(r.get("is_slave") and not r.get("is_disconnected") and not r.get("is_sdown") and
                r.get("master-link-status") == "ok" for r in replicas)
-
-
-def _pings(port: int, password: str) -> bool:
-    try:
-        return bool(redis.Redis(port=port, password=password, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
 
 
 def test_a_client_on_a_sentinel_url_writes_to_the_master_and_follows_a_failover(topology):
