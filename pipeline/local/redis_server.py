@@ -74,10 +74,12 @@ class RedisServer:
 
     def __init__(self, data_dir: Path, port: int | None = None, write_run_file: bool = True,
                  appendfsync: str = "everysec", maxmemory: int = 0, acl_file: Path | None = None,
-                 acl_user: tuple[str, str] | None = None) -> None:
+                 acl_user: tuple[str, str] | None = None, replica_of: RedisServer | None = None) -> None:
         """``acl_file``: users from a Redis ACL file instead of one password; ``acl_user`` (name, password)
-        is the one of them this object connects as (to check it is up, and to stop it)."""
+        is the one of them this object connects as (to check it is up, and to stop it).  ``replica_of``: a
+        replica of that (started) server, with its password."""
         self.data_dir = Path(data_dir)
+        self.replica_of = replica_of
         self.acl_file, self.acl_user = acl_file, acl_user
         self.port = port or self._last_port()
         self.write_run_file = write_run_file
@@ -101,7 +103,8 @@ class RedisServer:
     def password(self) -> str:
         path = self.data_dir / PASSWORD_FILE
         if not path.is_file():
-            write_private(path, secrets.token_urlsafe(32))
+            private_dir(self.data_dir)
+            write_private(path, self.replica_of.password if self.replica_of else secrets.token_urlsafe(32))
         return path.read_text().strip()
 
     def _write_conf(self) -> Path:
@@ -110,6 +113,8 @@ class RedisServer:
                  "maxmemory-policy noeviction", "daemonize no",
                  f"aclfile {self.acl_file}" if self.acl_file else f"requirepass {self.password}",
                  *(f'rename-command {cmd} ""' for cmd in DISABLED_COMMANDS)]
+        if self.replica_of:
+            lines += [f"replicaof 127.0.0.1 {self.replica_of.port}", f"masterauth {self.password}"]
         path = self.data_dir / CONF_FILE
         write_private(path, "\n".join(lines) + "\n")
         return path
