@@ -303,8 +303,8 @@ class JobStore:
             acked = self._wait_behind(pipe)[-1]
             if acked < self.min_replicas_ack:
                 raise NotReplicated(f"{acked} of the {self.min_replicas_ack} replicas PAGEDQ_REDIS_MIN_REPLICAS_ACK "
-                                    f"asks for confirmed within {self.replica_ack_timeout_s:g} s; the jobs are "
-                                    f"written on the master ({', '.join(job_ids[:3])}{' ...' if len(job_ids) > 3 else ''})",
+                                    f"asks for confirmed within {self.replica_ack_timeout_s:g} s; {len(job_ids)} "
+                                    f"job(s) are written on the master, from {job_ids[0] if job_ids else '-'}",
                                     job_ids)
 
     def _wait_behind(self, pipe: redis.client.Pipeline) -> list:
