@@ -167,6 +167,9 @@ class Completion:
     fingerprint: str = ""
     tool_parsing: str = ""  # the GenerateJob's
     others: list[ChoiceOutput] = field(default_factory=list)  # choices 1.. of a request with n > 1
+    # The epoch the GPU worker took the job at (``store.jobs.Admitted``): postprocess ends the job only while it
+    # is still that take's.  0: unfenced (a Completion from an older worker).
+    epoch: int = 0
 
     def describe(self) -> str:
         return (f"job={self.request_id} model={self.model} completion_tokens={len(self.output_token_ids)} "

@@ -2,7 +2,7 @@
 
 A job is a hash (``names.job(id)``): state, priority, kind, model,
 created_at / preprocessed_at / started_at / completed_at (or failed_at, cancelled_at,
-expired_at), attempts, error, and batch fields.  Its lifecycle::
+expired_at), attempts, epoch, error, and batch fields.  Its lifecycle::
 
     queued -> in_progress -> completed | failed
        |            |
@@ -14,6 +14,11 @@ finalized) and the job's state, counts the job into its batch (queueing the batc
 to be finalized when it was the last), ends its delta stream and publishes on its
 done channel.  It does
 nothing if the job is already terminal, so a redelivered task publishes once.
+
+Fencing: ``epoch`` counts the takes of a job by a different worker (``admit``).  ``finish`` and ``requeue`` given
+the epoch their worker took the job at (``fence``) do nothing when the job has been taken since: only its latest
+holder ends it or hands it back; a stale one (its lease restored to another worker) writes and publishes nothing.
+Without a fence (cancel, expiry, the lost-job sweep, preprocess) they act whoever holds the job.
 
 Batch keys are read from the job hash inside the scripts; that is fine on a
 single Redis, which is what a Celery broker is.
@@ -42,6 +47,9 @@ log = logging.getLogger(__name__)
 # ``restored_from``): then this is a second copy, not a restart.  A holder is alive while its record
 # (names.worker) was refreshed within the last half of its TTL (``ttl_s``, written by its heartbeat): a dead
 # worker's record goes stale before its leases can run out.
+# Taking returns 'ok:<epoch>'.  The epoch goes up unless the taker is the holder and the job is still its own
+# (in_progress, or restored from it): that copy is a duplicate of the run the worker still has, which ends the
+# job under the epoch it holds.  A restarted worker has a new name, so it is another holder.
 _ADMIT = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st then return 'missing' end
@@ -65,9 +73,16 @@ if ARGV[2] == '1' then
     redis.call('HINCRBY', KEYS[1], 'attempts', 1)
   end
   redis.call('HSET', KEYS[1], 'attempt_counted', spared and '0' or '1')
+  local epoch
+  if holder == ARGV[3] and (st == 'in_progress' or redis.call('HGET', KEYS[1], 'restored_from') == holder) then
+    epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
+  else
+    epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+  end
   if not started then redis.call('HSET', KEYS[1], 'started_at', ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'in_progress', 'worker', ARGV[3])
   redis.call('HDEL', KEYS[1], 'restored_from')
+  return 'ok:' .. epoch
 end
 return 'ok'
 """
@@ -135,13 +150,16 @@ return 0
 # KEYS: job hash, result, delta stream, message, active-jobs set, batches-to-finalize set, deadlines.
 # ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id, the delta stream's TTL,
 # 'defer' or '' ('defer': publish nothing, return {1, the batch's done channel if it completed, else ''}, for the
-# caller to publish once replicas confirmed the end).
+# caller to publish once replicas confirmed the end), the fence: the epoch the caller took the job at, or ''.
+# Fenced, and the job was taken since (another epoch): returns {-1, the job's epoch} having written nothing.
 # A batch's job keeps its record and result (no TTL) until the batch is finalized: the finalizer gives them
 # their TTL once the batch's output is written (pipeline/gateway/batches.py), so no line is lost to a batch
 # that outlives result_ttl_s or is read late.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
+local epoch = redis.call('HGET', KEYS[1], 'epoch') or '0'
+if ARGV[10] ~= '' and tonumber(epoch) ~= tonumber(ARGV[10]) then return {-1, epoch} end
 local state, now, ttl = ARGV[1], ARGV[2], ARGV[3]
 local defer, batch_channel = ARGV[9] == 'defer', ''
 redis.call('ZREM', KEYS[5], ARGV[7])
@@ -185,17 +203,18 @@ end
 return st or 'missing'
 """
 
-
+# KEYS: job. ARGV: '1' to count the attempt, the fence (as _FINISH's).  Returns 1 if the job went back to queued,
+# 0 if it was not in progress, {-1, the job's epoch} if it was taken since the fence (nothing written).
 _REQUEUE = """
-if redis.call('HGET', KEYS[1], 'state') == 'in_progress' then
-  redis.call('HSET', KEYS[1], 'state', 'queued')
-  -- an orderly hand-back takes back the attempt its admit counted (none if the admit spared it)
-  if ARGV[1] == '0' and redis.call('HGET', KEYS[1], 'attempt_counted') ~= '0' then
-    redis.call('HINCRBY', KEYS[1], 'attempts', -1)
-  end
-  return 1
+if redis.call('HGET', KEYS[1], 'state') ~= 'in_progress' then return 0 end
+local epoch = redis.call('HGET', KEYS[1], 'epoch') or '0'
+if ARGV[2] ~= '' and tonumber(epoch) ~= tonumber(ARGV[2]) then return {-1, epoch} end
+redis.call('HSET', KEYS[1], 'state', 'queued')
+-- an orderly hand-back takes back the attempt its admit counted (none if the admit spared it)
+if ARGV[1] == '0' and redis.call('HGET', KEYS[1], 'attempt_counted') ~= '0' then
+  redis.call('HINCRBY', KEYS[1], 'attempts', -1)
 end
-return 0
+return 1
 """
 
 
@@ -204,6 +223,24 @@ SEND_GRACE_S = 30.0  # default of settings.send_grace_s
 
 def now() -> float:
     return round(time.time(), 6)
+
+
+class Admitted(str):
+    """An ``admit`` verdict: 'ok' or why not, compared as the plain string it is.  ``epoch``: the job's epoch as
+    this take left it (the ``fence`` its worker passes to ``finish`` and ``requeue``); 0 when nothing was taken."""
+
+    epoch: int
+
+    def __new__(cls, verdict: str, epoch: int = 0) -> Admitted:
+        admitted = super().__new__(cls, verdict)
+        admitted.epoch = epoch
+        return admitted
+
+    @classmethod
+    def of(cls, reply: str) -> Admitted:
+        """From _ADMIT's reply: 'ok:<epoch>' when it took the job, else the verdict alone."""
+        verdict, _, epoch = reply.partition(":")
+        return cls(verdict, int(epoch or 0))
 
 
 class JobStore:
@@ -336,32 +373,41 @@ class JobStore:
     def update(self, job_id: str, **fields) -> None:
         self.r.hset(self.names.job(job_id), mapping={k: _field(v) for k, v in fields.items()})
 
-    def admit(self, job_id: str, worker: str | None = None) -> str:
+    def admit(self, job_id: str, worker: str | None = None) -> Admitted:
         """'ok' if the job may proceed (with ``worker``: mark it in_progress, count an attempt unless its previous
         worker is alive and did not hand it back), else its state, or 'poison' when it was started
-        ``max_attempts`` times already (each of its workers died)."""
-        return self._admit(keys=[self.names.job(job_id)],
-                           args=[now(), "1" if worker else "0", worker or "", self.max_attempts,
-                                 self.names.worker("")])
+        ``max_attempts`` times already (each of its workers died).
 
-    def finish(self, job_id: str, state: JobState, result: dict | None = None, error: dict | None = None) -> bool:
+        Taking the job from another holder (or a job not in progress) moves its epoch on, which fences the
+        previous holder's ``finish``/``requeue``; ``worker`` taking its own running job again keeps it."""
+        return Admitted.of(self._admit(keys=[self.names.job(job_id)],
+                                       args=[now(), "1" if worker else "0", worker or "", self.max_attempts,
+                                             self.names.worker("")]))
+
+    def finish(self, job_id: str, state: JobState, result: dict | None = None, error: dict | None = None,
+               fence: int | None = None) -> bool:
         """Move a job to a terminal state, once. Returns False if it already was in one.  With
         ``min_replicas_ack`` the end is announced (its done channel, its batch's) only once that many replicas
         confirmed it: a waiter never hears of an end a failover then erases (one not confirmed in time is not
-        announced at all; waiters find it by polling)."""
+        announced at all; waiters find it by polling).
+
+        ``fence``: the epoch the caller's worker took the job at (``Admitted.epoch``); when the job has another
+        epoch (another worker took it since) nothing is written or published and False is returned.  None: the
+        end is not a holder's (cancel, expiry, a lost job), whoever holds the job."""
         assert state.is_terminal
         n = self.names
         keys = [n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
                 n.batches_to_finalize, n.deadlines]
         args = [state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
                 json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id,
-                n.stream_ttl_after_end_s, "defer" if self.min_replicas_ack else ""]
+                n.stream_ttl_after_end_s, "defer" if self.min_replicas_ack else "", _fence_arg(fence)]
         if not self.min_replicas_ack:
-            return bool(self._finish(keys=keys, args=args))
+            ended = self._finish(keys=keys, args=args)
+            return not _fenced(job_id, ended, fence) and bool(ended)
         pipe = self.r.pipeline(transaction=False)
         self._finish(keys=keys, args=args, client=pipe)
         ended, acked = self._wait_behind(pipe)
-        if not ended:
+        if not ended or _fenced(job_id, ended, fence):
             return False
         if acked < self.min_replicas_ack:
             log.warning("job %s ended %s, but %d of %d replicas confirmed it within %g s: not announced",
@@ -402,14 +448,29 @@ class JobStore:
                                  "time; not retried again", code="poison")
             self.finish(job_id, JobState.FAILED, error=error.to_dict())
 
-    def requeue(self, job_id: str, count_attempt: bool = False) -> None:
-        """A running job handed back to the queue is 'queued' again.  A worker's orderly shutdown does not
-        count as an attempt; losing a process of its replica does (the job may be what killed it)."""
-        self._requeue(keys=[self.names.job(job_id)], args=["1" if count_attempt else "0"])
+    def requeue(self, job_id: str, count_attempt: bool = False, fence: int | None = None) -> bool:
+        """A running job handed back to the queue is 'queued' again; True if it was.  A worker's orderly shutdown
+        does not count as an attempt; losing a process of its replica does (the job may be what killed it).
+        ``fence`` as in ``finish``: a worker the job was taken from since does not hand it back."""
+        handed = self._requeue(keys=[self.names.job(job_id)], args=["1" if count_attempt else "0", _fence_arg(fence)])
+        return not _fenced(job_id, handed, fence) and bool(handed)
 
     def result(self, job_id: str) -> dict | None:
         raw = self.r.get(self.names.result(job_id))
         return json.loads(raw) if raw else None
+
+
+def _fence_arg(fence: int | None) -> str:
+    """A fence as the scripts take it: '' for none."""
+    return "" if fence is None else str(int(fence))
+
+
+def _fenced(job_id: str, reply, fence: int | None) -> bool:
+    """True (logged) when a script refused a fenced write: its reply is {-1, the job's epoch}."""
+    if isinstance(reply, list) and reply[0] == -1:
+        log.warning("fenced: job %s epoch %s, now %s", job_id, fence, reply[1])
+        return True
+    return False
 
 
 def _flat(fields: dict) -> list:

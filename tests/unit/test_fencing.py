@@ -1,0 +1,165 @@
+"""Fencing, against a real redis-server: a job's epoch moves on when another worker takes it, and a finish or
+requeue fenced with an older epoch (a holder its lease was restored away from) writes and publishes nothing."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+
+from pagedq.config.messages import Completion, parse_message, to_json
+from pagedq.config.names import JobState, Names
+from pagedq.store.jobs import Admitted, JobStore
+from pagedq.store.transport import _REQUEUE_JOB
+
+QUIET_S = 0.3  # how long a done channel stays silent to count as "nothing published"
+
+
+@pytest.fixture
+def names() -> Names:
+    tag = uuid.uuid4().hex[:8]
+    return Names(key_prefix=f"f{tag}:", queue_prefix=f"f{tag}.")
+
+
+@pytest.fixture
+def store(redis, names) -> JobStore:
+    return JobStore(redis, names, result_ttl_s=60, max_attempts=10)
+
+
+def record() -> dict:
+    return {"state": "queued", "model": "m", "priority": 5, "created_at": time.time(), "attempts": 0}
+
+
+def create(store: JobStore, job_id: str = "j") -> None:
+    store.create([(job_id, record())], max_queued=10, messages={job_id: "{}"})
+
+
+def everything(redis, names: Names, job_id: str = "j") -> dict:
+    """What a finish may write: the job's record, result, message, stream, place in the active set, backlog."""
+    return {"job": redis.hgetall(names.job(job_id)), "result": redis.get(names.result(job_id)),
+            "message": redis.get(names.job_message(job_id)), "stream": redis.exists(names.stream(job_id)),
+            "active": redis.zscore(names.active_jobs, job_id), "backlog": redis.get(names.backlog("m")),
+            "ttl": redis.ttl(names.job(job_id))}
+
+
+def published(ps) -> list[str]:
+    """What ``ps``'s channels heard within QUIET_S (subscribe replies skipped)."""
+    heard, deadline = [], time.monotonic() + QUIET_S
+    while (left := deadline - time.monotonic()) > 0:
+        message = ps.get_message(ignore_subscribe_messages=True, timeout=left)
+        if message is not None:
+            heard.append(message["data"])
+    return heard
+
+
+@pytest.fixture
+def done(redis, names):
+    ps = redis.pubsub()
+    ps.subscribe(names.done_channel("j"))
+    ps.get_message(timeout=1)  # the subscribe reply
+    yield ps
+    ps.close()
+
+
+def test_a_take_by_another_worker_moves_the_epoch_on_and_the_holders_own_re_admit_keeps_it(store):
+    create(store)
+    first = store.admit("j", worker="A")
+    assert isinstance(first, Admitted) and first == "ok" and first.epoch == 1
+    again = store.admit("j", worker="A")  # a redelivered copy on the worker still running it: a duplicate
+    assert again == "ok" and again.epoch == 1
+    taken = store.admit("j", worker="B")  # A's lease ran out: B runs it
+    assert taken == "ok" and taken.epoch == 2 and store.get("j")["epoch"] == "2"
+    assert store.admit("j", worker="A").epoch == 3, "A taking it back from B is another take"
+
+
+def test_the_holders_re_admit_after_a_lease_restore_keeps_the_epoch_an_orderly_hand_back_does_not(redis, store,
+                                                                                               names):
+    create(store)
+    assert store.admit("j", worker="A").epoch == 1
+    redis.register_script(_REQUEUE_JOB)(keys=[names.job("j")])  # a lease restore: queued, restored_from A
+    assert store.state("j") == "queued" and store.get("j")["restored_from"] == "A"
+    back = store.admit("j", worker="A")  # the message came back to A, which still runs the job
+    assert back == "ok" and back.epoch == 1
+    assert store.finish("j", JobState.COMPLETED, result={"ok": 1}, fence=1), "A's run ends the job"
+    create(store, "k")
+    assert store.admit("k", worker="A").epoch == 1
+    assert store.requeue("k", fence=1)  # A shut down in order: its run is over
+    assert store.admit("k", worker="A").epoch == 2
+
+
+def test_a_stale_holders_finish_writes_nothing_publishes_nothing_and_is_logged(redis, names, store, done, caplog):
+    create(store)
+    store.update("j", stream=1)
+    redis.xadd(names.stream("j"), {"type": "delta", "text": "x"})
+    stale = store.admit("j", worker="A")
+    store.admit("j", worker="B")
+    before = everything(redis, names)
+    caplog.set_level(logging.WARNING, logger="pagedq.store.jobs")
+    assert store.finish("j", JobState.COMPLETED, result={"answer": "A's"}, fence=stale.epoch) is False
+    assert everything(redis, names) == before
+    assert published(done) == []
+    assert "fenced: job j epoch 1, now 2" in caplog.text
+    assert store.finish("j", JobState.COMPLETED, result={"answer": "B's"}, fence=2) is True
+    assert store.state("j") == "completed" and store.result("j") == {"answer": "B's"}
+    assert published(done) == ["completed"]
+
+
+def test_a_stale_holders_finish_does_not_count_into_its_batch(redis, names, store):
+    batch = names.batch("b")
+    fields = {**record(), "batch_key": batch, "batch_id": "b"}
+    store.create([("j", fields)], max_queued=10,
+                 batch=(batch, {"state": "in_progress", "total": 1, "jobs_key": names.batch_jobs("b"),
+                                   "done_channel": names.done_channel("b")}, ["j"]))
+    store.admit("j", worker="A")
+    store.admit("j", worker="B")
+    before = redis.hgetall(batch)
+    assert not store.finish("j", JobState.FAILED, error={"message": "x"}, fence=1)
+    assert redis.hgetall(batch) == before and not redis.zscore(names.batches_to_finalize, "b")
+    assert store.finish("j", JobState.COMPLETED, result={"ok": 1}, fence=2)
+    assert redis.hget(batch, "done") == "1" and redis.hget(batch, "state") == "completed"
+
+
+def test_a_stale_finish_is_refused_when_ends_wait_for_replicas_too(redis, names, done):
+    """With ``min_replicas_ack`` the script defers its publishes to the caller: a refusal must not read as an end."""
+    store = JobStore(redis, names, result_ttl_s=60, max_attempts=10, min_replicas_ack=1, replica_ack_timeout_s=0.05)
+    create(store)
+    store.admit("j", worker="A")
+    store.admit("j", worker="B")
+    before = everything(redis, names)
+    assert store.finish("j", JobState.COMPLETED, result={"answer": "A's"}, fence=1) is False
+    assert everything(redis, names) == before and published(done) == []
+    assert store.finish("j", JobState.COMPLETED, result={"answer": "B's"}, fence=2) is True  # no replica: unannounced
+    assert store.state("j") == "completed"
+
+
+def test_a_stale_requeue_leaves_the_new_holders_job_alone(store):
+    create(store)
+    store.admit("j", worker="A")
+    store.admit("j", worker="B")
+    before = store.get("j")
+    assert store.requeue("j", fence=1) is False  # A drains: the job is B's now
+    assert store.get("j") == before and before["state"] == "in_progress" and before["worker"] == "B"
+    assert store.requeue("j", fence=2) is True
+    assert store.state("j") == "queued" and store.get("j")["attempts"] == str(int(before["attempts"]) - 1)
+
+
+def test_an_unfenced_finish_ends_the_job_whatever_its_epoch(redis, names, store, done):
+    create(store)
+    store.admit("j", worker="A")
+    store.admit("j", worker="B")
+    assert store.request_cancel("j") == "in_progress"
+    verdict = store.admit("j")  # a peek: takes nothing, has no epoch to give
+    assert verdict == JobState.CANCELLING and verdict.epoch == 0
+    store.settle("j", verdict)
+    assert store.state("j") == "cancelled" and published(done) == ["cancelled"]
+    assert store.get("j")["epoch"] == "2"
+
+
+def test_a_completion_without_an_epoch_parses_as_unfenced():
+    fields = {"request_id": "j", "kind": "text", "model": "m", "text": "hi", "output_token_ids": [1],
+              "num_prompt_tokens": 3, "finish_reason": "stop"}
+    assert parse_message(Completion, fields).epoch == 0  # from a worker older than fencing
+    fenced = parse_message(Completion, to_json(Completion(**fields, epoch=7)))
+    assert fenced.epoch == 7
