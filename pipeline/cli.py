@@ -106,8 +106,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Ctrl-C and SIGTERM stop everything the same way (SIGINT too: a background shell may have ignored it).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    stack = Stack(_settings(args), args.model, args.gpu_workers, args.cpu_workers, loglevel=args.loglevel,
-                  reuse_workers=True)
+    settings = _settings(args)
+    if (args.replicas > 0) != (args.sentinels > 0):
+        raise CliError("--replicas and --sentinels go together: a Sentinel topology needs both (e.g. 1 and 3)")
+    if args.replicas and settings.broker_url:
+        raise CliError("--replicas/--sentinels start a local Sentinel topology; PAGEDQ_BROKER_URL is set")
+    stack = Stack(settings, args.model, args.gpu_workers, args.cpu_workers, loglevel=args.loglevel,
+                  reuse_workers=True, replicas=args.replicas, sentinels=args.sentinels,
+                  down_after_ms=args.down_after_ms)
     try:
         stack.start()
         if args.http is not None:
@@ -548,6 +554,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", default="INFO", help="the workers' log level (default INFO)")
     p.add_argument("--http", type=int, nargs="?", const=8000, metavar="PORT",
                    help="also serve the OpenAI-compatible HTTP API on 127.0.0.1:PORT (default port 8000)")
+    p.add_argument("--replicas", type=int, default=0, help="with --sentinels: the embedded broker is a master, "
+                   "this many replicas and the sentinels, all on 127.0.0.1 (default 0: one redis-server)")
+    p.add_argument("--sentinels", type=int, default=0, help="with --replicas: Redis sentinels that fail over to a "
+                   "replica when the master is down (3 is usual; default 0)")
+    p.add_argument("--down-after-ms", type=int, default=2000, help="with --sentinels: milliseconds a master may "
+                   "stay silent before the sentinels fail over (default 2000; kept in each sentinel's config "
+                   "once it is written)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP gateway (FastAPI under uvicorn); see docs/http.md")

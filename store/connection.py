@@ -91,7 +91,14 @@ def redis_client(url: str, timeout_s: float | None = 30, settings: Settings | No
 
 
 def ping(url: str, timeout: float = 1.0) -> bool:
+    """True if the broker at ``url`` answers (with a ``sentinel://`` URL: the master the sentinels name)."""
     try:
+        if parse_sentinel_url(url) is not None:
+            client = redis_client(url, timeout)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
         return bool(redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout).ping())
     except (redis.RedisError, OSError, ValueError):
         return False

@@ -74,12 +74,17 @@ class RedisServer:
 
     def __init__(self, data_dir: Path, port: int | None = None, write_run_file: bool = True,
                  appendfsync: str = "everysec", maxmemory: int = 0, acl_file: Path | None = None,
-                 acl_user: tuple[str, str] | None = None, replica_of: RedisServer | None = None) -> None:
+                 acl_user: tuple[str, str] | None = None, replica_of: RedisServer | tuple[str, int] | None = None,
+                 config_name: str | None = None) -> None:
         """``acl_file``: users from a Redis ACL file instead of one password; ``acl_user`` (name, password)
         is the one of them this object connects as (to check it is up, and to stop it).  ``replica_of``: a
-        replica of that (started) server, with its password."""
+        replica of that (started) server, with its password, or of that (host, port).  ``config_name``: a node
+        of a Sentinel topology (``topology.py``): CONFIG is renamed to this secret, which only the sentinels
+        know (a failover runs CONFIG REWRITE), instead of disabled, and ``masterauth`` is set whatever its role
+        (roles swap), with ``replica-announce-ip 127.0.0.1``."""
         self.data_dir = Path(data_dir)
         self.replica_of = replica_of
+        self.config_name = config_name
         self.acl_file, self.acl_user = acl_file, acl_user
         self.port = port or self._last_port()
         self.write_run_file = write_run_file
@@ -104,7 +109,8 @@ class RedisServer:
         path = self.data_dir / PASSWORD_FILE
         if not path.is_file():
             private_dir(self.data_dir)
-            write_private(path, self.replica_of.password if self.replica_of else secrets.token_urlsafe(32))
+            write_private(path, self.replica_of.password if isinstance(self.replica_of, RedisServer)
+                          else secrets.token_urlsafe(32))
         return path.read_text().strip()
 
     def _write_conf(self) -> Path:
@@ -112,12 +118,21 @@ class RedisServer:
                  "appendonly yes", 'save ""', f"appendfsync {self.appendfsync}", f"maxmemory {self.maxmemory}",
                  "maxmemory-policy noeviction", "daemonize no",
                  f"aclfile {self.acl_file}" if self.acl_file else f"requirepass {self.password}",
-                 *(f'rename-command {cmd} ""' for cmd in DISABLED_COMMANDS)]
+                 *(f"rename-command {cmd} {self._renamed(cmd)}" for cmd in DISABLED_COMMANDS)]
         if self.replica_of:
-            lines += [f"replicaof 127.0.0.1 {self.replica_of.port}", f"masterauth {self.password}"]
+            host, port = (("127.0.0.1", self.replica_of.port) if isinstance(self.replica_of, RedisServer)
+                          else self.replica_of)
+            lines.append(f"replicaof {host} {port}")
+        if self.replica_of or self.config_name:
+            lines.append(f"masterauth {self.password}")
+        if self.config_name:
+            lines.append("replica-announce-ip 127.0.0.1")
         path = self.data_dir / CONF_FILE
         write_private(path, "\n".join(lines) + "\n")
         return path
+
+    def _renamed(self, command: str) -> str:
+        return self.config_name if command == "CONFIG" and self.config_name else '""'
 
     def start(self, timeout: float = 15) -> str:
         private_dir(self.data_dir)
@@ -130,7 +145,7 @@ class RedisServer:
             self.port = None
         else:
             raise BrokerNotFoundError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
-        (self.data_dir / PORT_FILE).write_text(str(self.port))
+        write_private(self.data_dir / PORT_FILE, str(self.port))
         if self.write_run_file:
             write_private(self.data_dir / RUN_FILE, json.dumps({"url": self.url, "pid": self.proc.pid}))
         log.info("embedded redis-server on %s (data in %s)", mask_url(self.url), self.data_dir)

@@ -1,7 +1,8 @@
 """A whole deployment on one machine, as child processes.
 
 The broker (an embedded ``redis-server`` unless ``PAGEDQ_BROKER_URL`` is set or
-one is already running), GPU workers (``pagedq worker``) and CPU workers
+one is already running; with ``replicas`` and ``sentinels``, a local Sentinel
+topology, ``topology.py``), GPU workers (``pagedq worker``) and CPU workers
 (``pagedq cpu-worker``).  ``pagedq up``,
 ``pagedq run-batch`` (queued), the benchmark and the tests all use it.  Stop
 order: GPU workers (their running jobs go back to the queue), CPU workers,
@@ -31,6 +32,7 @@ from pydantic import SecretStr
 from pagedq.config import Settings
 from pagedq.config.names import Names
 from pagedq.pipeline.local.redis_server import ensure_broker
+from pagedq.pipeline.local.topology import ensure_topology
 from pagedq.store.connection import redis_client
 from pagedq.store.registry import live_workers, renewed_records
 from pagedq.workers.processes import (
@@ -104,8 +106,12 @@ def settings_env(settings: Settings) -> dict[str, str]:
 class Stack:
     def __init__(self, settings: Settings, model: str | None = None, gpu_workers: int = 1, cpu_workers: int = 1,
                  log_dir: Path | None = None, reuse_workers: bool = False, loglevel: str = "INFO",
-                 env: dict[str, str] | None = None, first_index: int = 0) -> None:
+                 env: dict[str, str] | None = None, first_index: int = 0, replicas: int = 0, sentinels: int = 0,
+                 down_after_ms: int = 2000) -> None:
+        """``replicas`` and ``sentinels`` (both > 0): the embedded broker is a Sentinel topology of one master,
+        that many replicas and sentinels (``down_after_ms``: how long a silent master has before a failover)."""
         self.settings = settings
+        self.replicas, self.sentinels, self.down_after_ms = replicas, sentinels, down_after_ms
         self.model = model or settings.model
         self.num_gpu, self.num_cpu = gpu_workers, cpu_workers
         self.log_dir = log_dir
@@ -122,7 +128,9 @@ class Stack:
 
     def start(self, timeout: float = 600) -> Stack:
         try:
-            self.url, self.owns_broker = self._exit.enter_context(ensure_broker(self.settings))
+            broker = (ensure_topology(self.settings, self.replicas, self.sentinels, self.down_after_ms)
+                      if self.replicas and self.sentinels else ensure_broker(self.settings))
+            self.url, self.owns_broker = self._exit.enter_context(broker)
             gpu, cpu = self._workers_needed()
             for i in range(gpu):
                 first = self.add_worker("gpu")
@@ -167,10 +175,17 @@ class Stack:
         if self.log_dir:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             log_path = Path(self.log_dir) / f"{hostname.split('@')[0]}.log"
-        env = {**settings_env(self.settings), **self.env, **(extra_env or {}), "PAGEDQ_BROKER_URL": self.url}
+        env = {**settings_env(self.settings), **self.env, **(extra_env or {}), **self._broker_env()}
         child = Child(hostname, role, spawn(cmd, log_path, env), log_path)
         self.children.append(child)
         return child
+
+    def _broker_env(self) -> dict[str, str]:
+        """The broker a child uses: this stack's URL, and with a sentinel:// URL the master's name."""
+        env = {"PAGEDQ_BROKER_URL": self.url}
+        if self.url.startswith("sentinel://"):
+            env["PAGEDQ_REDIS_MASTER_NAME"] = self.settings.redis_master_name
+        return env
 
     def add_gateway(self, port: int, timeout: float = 120) -> Child:
         """The HTTP gateway (``pagedq serve``) on 127.0.0.1:``port``, once its /health answers."""
@@ -178,7 +193,7 @@ class Stack:
 
         hostname = self._next_hostname("http")
         log_path = Path(self.log_dir) / "http.log" if self.log_dir else None
-        env = {**settings_env(self.settings), **self.env, "PAGEDQ_BROKER_URL": self.url}
+        env = {**settings_env(self.settings), **self.env, **self._broker_env()}
         cmd = [sys.executable, "-m", "pagedq.pipeline.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
         child = Child(hostname, "http", spawn(cmd, log_path, env), log_path)
         self.children.append(child)
