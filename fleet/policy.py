@@ -117,6 +117,10 @@ class FairQueue(Generic[K]):
     def __contains__(self, key: object) -> bool:
         return key in self._where
 
+    def __iter__(self):
+        """The waiting keys, in no particular order."""
+        return iter(self._where)
+
     @property
     def active_tenants(self) -> list[str]:
         return [t for t, n in self._waiting_of.items() if n > 0]

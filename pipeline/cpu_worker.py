@@ -205,9 +205,9 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
         except Exception as e:  # noqa: BLE001 - every accepted job ends: this one, with the reason
             log.exception("postprocess of job %s failed", c.request_id)
             error = RequestError(f"postprocess failed: {type(e).__name__}: {e}", code="server_error")
-            store.finish(c.request_id, JobState.FAILED, error=error.to_dict())
+            store.finish(c.request_id, JobState.FAILED, error=error.to_dict(), fence=c.epoch or None)
             raise JobNotCompleted(f"job {c.request_id} failed: {error.code}: {error}") from None
-        published = store.finish(c.request_id, JobState.COMPLETED, result=body)
+        published = store.finish(c.request_id, JobState.COMPLETED, result=body, fence=c.epoch or None)
         if not published:
             log.info("job %s: already final or unknown; result not published again", c.request_id)
         else:

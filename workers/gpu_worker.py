@@ -119,8 +119,9 @@ def start(job: GenerateJob, request, service: EngineService, store: JobStore, na
         handle = service.submit(job, request.id)
     except RequestError as e:
         service.metrics.ended(job.job_id, "failed")
-        store.finish(job.job_id, JobState.FAILED, error=e.to_dict())
+        store.finish(job.job_id, JobState.FAILED, error=e.to_dict(), fence=verdict.epoch)
         raise JobNotCompleted(f"job {job.job_id} failed: {e.code}: {e}") from None
+    handle.epoch = verdict.epoch  # a worker the job is taken from since ends nothing (store/jobs.py: fencing)
     # Cancel or stream requests published before the job was registered here left their flag on the record.
     state, stream = store.r.hmget(names.job(job.job_id), "state", "stream")
     if state == JobState.CANCELLING:
@@ -389,7 +390,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                 d.fair.unbind(slot, job.job_id)  # else the Reject below hands the token back and its restore releases the job
             return conclude(task.app, handle, store, names)
         if handle.requeue:  # drain or replica loss: the job back in its fair queue, the token back on its queue
-            store.requeue(job.job_id, count_attempt=handle.lost)
+            store.requeue(job.job_id, count_attempt=handle.lost, fence=handle.epoch)
             d.fair.release(slot)
             raise Reject("worker shutting down", requeue=True)
         generated = handle.generated_tokens
@@ -420,11 +421,11 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
             raise Reject("worker shutting down", requeue=True)
         return {"job_id": job.job_id, "skipped": "already running on this worker"}
     if handle.requeue:
-        store.requeue(job.job_id, count_attempt=handle.lost)
+        store.requeue(job.job_id, count_attempt=handle.lost, fence=handle.epoch)
         raise Reject("worker shutting down", requeue=True)
     if handle.error or out is None:
         error = RequestError(handle.error or "no output", code="server_error")
-        store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
+        store.finish(job.job_id, JobState.FAILED, error=error.to_dict(), fence=handle.epoch)
         raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
     others = [c.output for c in handle.others.values() if c.output is not None]
     tokens = handle.generated_tokens
@@ -432,20 +433,21 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
     failed = next((o for o in [out, *others] if o.finish_reason == "error"), None)
     if failed is not None:  # this request's step raised; its batch mates went on
         error = RequestError(f"the engine failed on this request: {failed.error}", code="engine_error")
-        store.finish(job.job_id, JobState.FAILED, error=error.to_dict())
+        store.finish(job.job_id, JobState.FAILED, error=error.to_dict(), fence=handle.epoch)
         raise JobNotCompleted(f"job {job.job_id} failed: {error.code}: {error}")
     # Cancelled: choice 0 aborted, or (n > 1) a choice was still running when the cancel came.
     if out.finish_reason == "abort" or len(others) < len(handle.others) or \
             any(o.finish_reason == "abort" for o in others):
         store.update(job.job_id, completion_tokens=tokens, aborted_at_step=handle.finished_step)
-        store.finish(job.job_id, JobState.CANCELLED)
+        store.finish(job.job_id, JobState.CANCELLED, fence=handle.epoch)
         raise JobNotCompleted(f"job {job.job_id} cancelled after {tokens} tokens")
     store.update(job.job_id, completion_tokens=tokens, generated_at=time.time())  # the latency budget's engine end
     completion = Completion(
         request_id=job.job_id, kind=job.kind, model=job.model, text=out.text, output_token_ids=out.output_token_ids,
         num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
         num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs,
-        fingerprint=fingerprint, tool_parsing=job.tool_parsing, others=[ChoiceOutput.of(o) for o in others])
+        fingerprint=fingerprint, tool_parsing=job.tool_parsing, others=[ChoiceOutput.of(o) for o in others],
+        epoch=handle.epoch or 0)
     app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority),
                   argsrepr=completion.describe(), kwargsrepr="{}")
     return summary
@@ -591,11 +593,15 @@ def inflight(settings: Settings) -> int:
     return settings.worker_max_inflight
 
 
+# The stepping thread drops the GIL at every operator and must win it back from the task threads to start the
+# next one, while its OpenMP team waits: Python's default 5 ms hand-over let a backlog of short jobs stall it.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 EXIT_REPLICA_LOST = 3  # a process of the engine's replica died: restart the worker (its jobs were requeued)
 
 
 def run_worker(settings: Settings, model: str | None = None, hostname: str | None = None,
                loglevel: str = "INFO") -> None:
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     url = broker_url(settings)
     r = redis_client(url, settings=settings)
     names = Names.from_settings(settings)
@@ -603,7 +609,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     service = EngineService(lambda: LLM(settings, model), r, names, hostname, settings.result_ttl_s,
                             on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),  # warm shutdown
                             worker_ttl_s=settings.worker_ttl_s, thread_budget=thread_budget(settings),
-                            publish_cache=settings.placement)
+                            publish_cache=settings.placement, step_hold_s=settings.step_hold_ms / 1000)
     engine = service.start()  # built on the thread that will step it (see service.py)
     service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
     register_model(r, names, model_info(engine, names))

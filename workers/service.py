@@ -87,6 +87,7 @@ class Handle:
     duplicate: bool = False  # the job is already running here under another task
     finished_step: int | None = None
     error: str | None = None
+    epoch: int | None = None  # the job's epoch as this worker took it: the fence of its finish/requeue
     others: dict[str, Choice] = field(default_factory=dict)  # engine request id -> choice 1.., in order
 
     @property
@@ -115,7 +116,8 @@ class Handle:
 class EngineService:
     def __init__(self, make_engine: Callable[[], LLM], client: redis.Redis, names: Names, hostname: str,
                  result_ttl_s: int = 3600, on_replica_lost=None, worker_ttl_s: int = 15,
-                 thread_budget: ThreadBudget | None = None, publish_cache: bool = False) -> None:
+                 thread_budget: ThreadBudget | None = None, publish_cache: bool = False,
+                 step_hold_s: float = 0.0) -> None:
         self._make_engine = make_engine
         self.publish_cache = publish_cache  # keep names.kv_blocks in step with the prefix cache (placement)
         self._cache_pool: BlockManager | None = None  # the pool whose cache the set holds whole, or None
@@ -143,6 +145,10 @@ class EngineService:
         # Called after a job leaves the engine (False), and when the worker starts to drain (True: wake everyone).
         self.on_seat_freed: Callable[[bool], None] | None = None
         self._weights_read_at = -WEIGHTS_REFRESH_S
+        self.step_hold_s = step_hold_s  # the quiet gap that ends a hold (``_hold_for_more``); 0: no hold
+        self._last_arrival = 0.0  # monotonic time of the last submit
+        self._arrived_tokens = 0  # prompt tokens submitted since the last step began (still in the engine's inbox)
+        self._last_prefill_s: float | None = None  # wall time of the last step with nothing to decode
 
     # --- called from task / control threads --------------------------------
     def start(self) -> LLM:
@@ -196,6 +202,8 @@ class EngineService:
                 for cid in handle.others:
                     del self.choices[cid]
                 raise
+            self._arrived_tokens += len(job.prompt_token_ids) * handle.seats
+        self._last_arrival = time.monotonic()
         self._wake.set()
         return handle
 
@@ -341,6 +349,8 @@ class EngineService:
             if self.thread_budget is not None and (n := self.thread_budget.plan()) != torch.get_num_threads():
                 log.info("computing with %d thread(s): other processes use the rest", n)
                 torch.set_num_threads(n)
+            prefill_only = self._hold_for_more()
+            self._arrived_tokens = 0  # the step takes the engine's inbox in
             stats = self.engine.engine.stats
             started, before = time.monotonic(), (stats.prompt_tokens_computed, stats.generated_tokens)
             try:
@@ -357,8 +367,35 @@ class EngineService:
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
                 continue
             self._failed_steps = 0
+            if prefill_only:
+                self._last_prefill_s = time.monotonic() - started
             self._log_slow_step(time.monotonic() - started, before)
             self._dispatch(outputs)
+
+    def _hold_for_more(self) -> bool:
+        """Before a step with nothing to decode, wait for more jobs while fewer prompt tokens wait than a step
+        takes and jobs keep arriving (the last within ``step_hold_s``), for at most half the last such step's
+        time.  Returns whether the step has nothing to decode.
+
+        Why: a backlog of short jobs reaches the engine as fast as the CPU worker (niced, sharing the cores)
+        tokenizes them; stepping on each trickle gives many small steps, each paying a step's fixed cost, and
+        leaves the tokenizer less CPU still.  A step with sequences decoding never waits, and a lone job waits
+        at most ``step_hold_s``."""
+        sched = self.engine.engine.scheduler
+        if sched.running:
+            return False
+        if self.step_hold_s <= 0 or self._last_prefill_s is None:
+            return True
+        deadline = time.monotonic() + self._last_prefill_s / 2
+        while sched.waiting_prompt_tokens() + self._arrived_tokens < sched.max_num_batched_tokens \
+                and self._calls.empty() and not self._stopping.is_set():
+            now = time.monotonic()
+            wait = min(self._last_arrival + self.step_hold_s, deadline) - now
+            if wait <= 0:
+                break
+            self._wake.clear()
+            self._wake.wait(wait)
+        return True
 
     def _log_slow_step(self, took_s: float, before: tuple[int, int]) -> None:
         """One line per step slower than ``SLOW_STEP_S``: what it computed (``before``: the prompt and generated

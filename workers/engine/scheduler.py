@@ -117,6 +117,10 @@ class Scheduler:
         self.probe: deque[Sequence] = deque()  # after a failed step: each runs alone, in turn
         self.stats = SchedulerStats()
 
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt tokens the waiting sequences still have to compute (a prefix cache hit may lower it)."""
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+
     def reset_stats(self) -> SchedulerStats:
         """Start a fresh measurement; returns the counters of the one that ends."""
         ended, self.stats = self.stats, SchedulerStats()

@@ -1,0 +1,92 @@
+"""The GPU worker's step hold (``EngineService._hold_for_more``) over the real engine core, no model: before a
+step with nothing to decode it waits for more jobs while they keep arriving and the step is not full, never
+while sequences decode, and never past half the last such step's time."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+from test_metrics_parts import ScriptedExecutor
+
+from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.engine import EngineConfig, LLMEngine
+from pagedq.workers.service import EngineService
+
+BUDGET = 64  # prompt tokens one step takes
+
+
+def service(hold_s: float, last_prefill_s: float | None) -> tuple[EngineService, LLMEngine]:
+    config = EngineConfig(model_name="scripted", fingerprint="f", max_model_len=4096, vocab_size=1000,
+                          eos_token_ids=frozenset({1001}), block_size=4, max_num_batched_tokens=BUDGET)
+    engine = LLMEngine(config, ScriptedExecutor())
+    svc = EngineService(lambda: None, client=None, names=None, hostname="w", step_hold_s=hold_s)
+    svc.engine = SimpleNamespace(engine=engine)
+    svc._last_prefill_s = last_prefill_s
+    return svc, engine
+
+
+def add(svc: EngineService, engine: LLMEngine, rid: str, n_tokens: int, max_tokens: int = 1) -> None:
+    """What ``submit`` does for the hold: the request in the engine, the arrival noted, the stepper woken."""
+    engine.add_request(rid, [random.randint(2, 999) for _ in range(n_tokens)],
+                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    svc._arrived_tokens += n_tokens
+    svc._last_arrival = time.monotonic()
+    svc._wake.set()
+
+
+def timed_hold(svc: EngineService) -> tuple[bool, float]:
+    start = time.monotonic()
+    prefill_only = svc._hold_for_more()
+    return prefill_only, time.monotonic() - start
+
+
+def test_a_trickle_of_jobs_is_held_for_until_half_the_last_prefill_steps_time():
+    svc, engine = service(hold_s=0.2, last_prefill_s=0.8)
+    add(svc, engine, "first", 5)
+    stop = threading.Event()
+
+    def trickle() -> None:  # a job every 20 ms, each far under the budget
+        i = 0
+        while not stop.wait(0.02):
+            add(svc, engine, f"j{i}", 1)
+            i += 1
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        prefill_only, held = timed_hold(svc)
+    finally:
+        stop.set()
+        t.join()
+    assert prefill_only
+    assert 0.35 <= held < 0.8, f"held {held:.3f} s: the cap is half the last prefill step (0.4 s)"
+
+
+def test_a_lone_job_waits_only_the_quiet_gap_and_a_full_step_not_at_all():
+    svc, engine = service(hold_s=0.1, last_prefill_s=10.0)
+    add(svc, engine, "lone", 5)
+    prefill_only, held = timed_hold(svc)
+    assert prefill_only and 0.08 <= held < 0.5, f"held {held:.3f} s for one job (quiet gap 0.1 s)"
+    add(svc, engine, "big", BUDGET)  # a full step's worth waits: step at once
+    _, held = timed_hold(svc)
+    assert held < 0.05, f"held {held:.3f} s with a full step waiting"
+
+
+def test_a_step_with_sequences_decoding_is_never_held():
+    svc, engine = service(hold_s=0.5, last_prefill_s=10.0)
+    add(svc, engine, "long", 5, max_tokens=8)
+    engine.step()  # prefilled: it decodes from now on
+    add(svc, engine, "new", 3)
+    prefill_only, held = timed_hold(svc)
+    assert not prefill_only and held < 0.05, f"held {held:.3f} s while a sequence decodes"
+
+
+def test_no_hold_before_the_first_prefill_step_or_when_turned_off():
+    for hold_s, last in ((0.5, None), (0.0, 10.0)):
+        svc, engine = service(hold_s=hold_s, last_prefill_s=last)
+        add(svc, engine, "a", 3)
+        prefill_only, held = timed_hold(svc)
+        assert prefill_only and held < 0.05, (hold_s, last, held)
