@@ -593,15 +593,11 @@ def inflight(settings: Settings) -> int:
     return settings.worker_max_inflight
 
 
-# The stepping thread drops the GIL at every operator and must win it back from the task threads to start the
-# next one, while its OpenMP team waits: Python's default 5 ms hand-over let a backlog of short jobs stall it.
-ENGINE_SWITCH_INTERVAL_S = 0.0005
 EXIT_REPLICA_LOST = 3  # a process of the engine's replica died: restart the worker (its jobs were requeued)
 
 
 def run_worker(settings: Settings, model: str | None = None, hostname: str | None = None,
                loglevel: str = "INFO") -> None:
-    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     url = broker_url(settings)
     r = redis_client(url, settings=settings)
     names = Names.from_settings(settings)
