@@ -90,11 +90,12 @@ def redis_client(url: str, timeout_s: float | None = 30, settings: Settings | No
     return redis.Redis(connection_pool=pool)
 
 
-def ping(url: str, timeout: float = 1.0) -> bool:
-    """True if the broker at ``url`` answers (with a ``sentinel://`` URL: the master the sentinels name)."""
+def ping(url: str, timeout: float = 1.0, settings: Settings | None = None) -> bool:
+    """True if the broker at ``url`` answers (with a ``sentinel://`` URL: the master the sentinels name
+    ``settings.redis_master_name``)."""
     try:
         if parse_sentinel_url(url) is not None:
-            client = redis_client(url, timeout)
+            client = redis_client(url, timeout, settings)
             try:
                 return bool(client.ping())
             finally:
@@ -112,15 +113,16 @@ def _alive(pid) -> bool:
         return False
 
 
-def running_embedded_url(data_dir: Path) -> str | None:
-    """The URL of a live embedded server using ``data_dir``, if there is one (its recorded process alive
-    and answering with its password: a stale run file, or another program on that port, is not trusted)."""
+def running_embedded_url(data_dir: Path, settings: Settings | None = None) -> str | None:
+    """The URL of a live embedded server (or local Sentinel topology) using ``data_dir``, if there is one (its
+    recorded process alive and answering with its password: a stale run file, or another program on that port,
+    is not trusted)."""
     try:
         info = json.loads((Path(data_dir) / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
     url = info.get("url", "")
-    return url if _alive(info.get("pid")) and ping(url) else None
+    return url if _alive(info.get("pid")) and ping(url, settings=settings) else None
 
 
 def broker_url(settings: Settings) -> str:

@@ -22,8 +22,10 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import redis
 
@@ -193,22 +195,35 @@ def _lock(data_dir: Path):
         yield
 
 
+class LocalBroker(Protocol):
+    """What ``ensure_running`` starts: one ``RedisServer``, or a Sentinel ``Topology``."""
+
+    def start(self, timeout: float = 15) -> str: ...
+    def stop(self, timeout: float = 15) -> None: ...
+
+
 @contextmanager
-def ensure_broker(settings: Settings):
-    """Yield (broker URL, whether this block started it): the configured one, a running embedded server's,
-    or one started for this block (and stopped after it)."""
+def ensure_running(settings: Settings, make: Callable[[], LocalBroker]):
+    """Yield (broker URL, whether this block started it): the configured one, a running embedded broker's (a
+    server or a topology: whichever the data dir's run file names), or ``make()``'s, started for this block
+    (and stopped after it)."""
     if settings.broker_url:
         yield settings.broker_url, False
         return
     with _lock(settings.redis_data_dir):
-        url = running_embedded_url(settings.redis_data_dir)
-        server = None
+        url = running_embedded_url(settings.redis_data_dir, settings)
+        broker = None
         if url is None:
-            server = RedisServer(settings.redis_data_dir, appendfsync=settings.redis_appendfsync,
-                                 maxmemory=settings.redis_maxmemory)
-            url = server.start()
+            broker = make()
+            url = broker.start()
     try:
-        yield url, server is not None
+        yield url, broker is not None
     finally:
-        if server is not None:
-            server.stop()
+        if broker is not None:
+            broker.stop()
+
+
+def ensure_broker(settings: Settings):
+    """``ensure_running`` with one embedded redis-server."""
+    return ensure_running(settings, lambda: RedisServer(settings.redis_data_dir, appendfsync=settings.redis_appendfsync,
+                                                        maxmemory=settings.redis_maxmemory))

@@ -28,7 +28,6 @@ import logging
 import os
 import secrets
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
@@ -37,10 +36,17 @@ from urllib.parse import quote
 import redis
 
 from pagedq.config.settings import Settings
-from pagedq.store.connection import RUN_FILE, BrokerNotFoundError, redis_client, running_embedded_url
+from pagedq.store.connection import RUN_FILE, BrokerNotFoundError
 from pagedq.workers.processes import free_port, spawn, stop
 
-from .redis_server import PORT_FILE, RedisServer, _lock, find_redis_server, private_dir, write_private
+from .redis_server import (
+    PORT_FILE,
+    RedisServer,
+    ensure_running,
+    find_redis_server,
+    private_dir,
+    write_private,
+)
 
 log = logging.getLogger(__name__)
 
@@ -291,40 +297,8 @@ def _role(node: RedisServer) -> str | None:
         return None
 
 
-def running_url(data_dir: Path, settings: Settings | None = None) -> str | None:
-    """The sentinel URL of a live topology using ``data_dir`` (its owner alive, its master answering)."""
-    try:
-        info = json.loads((Path(data_dir) / RUN_FILE).read_text())
-        os.kill(int(info["pid"]), 0)
-        url = info["url"]
-        if not url.startswith("sentinel://"):
-            return None
-        client = redis_client(url, 2, settings)
-        try:
-            return url if client.ping() else None
-        finally:
-            client.close()
-    except (OSError, ValueError, KeyError, TypeError, redis.RedisError):
-        return None
-
-
-@contextmanager
 def ensure_topology(settings: Settings, replicas: int, sentinels: int, down_after_ms: int = 2000):
-    """Yield (broker URL, whether this block started it), as ``ensure_broker``: the configured URL, a running
-    broker's (a topology, or an embedded server) in the data dir, or a topology started for this block."""
-    if settings.broker_url:
-        yield settings.broker_url, False
-        return
-    data_dir = settings.redis_data_dir
-    with _lock(data_dir):
-        url = running_embedded_url(data_dir) or running_url(data_dir, settings)
-        topology = None
-        if url is None:
-            topology = Topology(data_dir, replicas, sentinels, settings.redis_master_name, down_after_ms,
-                                appendfsync=settings.redis_appendfsync, maxmemory=settings.redis_maxmemory)
-            url = topology.start()
-    try:
-        yield url, topology is not None
-    finally:
-        if topology is not None:
-            topology.stop()
+    """``ensure_running`` with a topology of one master, ``replicas`` and ``sentinels``."""
+    return ensure_running(settings, lambda: Topology(
+        settings.redis_data_dir, replicas, sentinels, settings.redis_master_name, down_after_ms,
+        appendfsync=settings.redis_appendfsync, maxmemory=settings.redis_maxmemory))
