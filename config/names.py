@@ -293,6 +293,10 @@ class Names:
         prefix cache, kept in step by the worker each engine step (with ``PAGEDQ_PLACEMENT``)."""
         return f"{self.key_prefix}kv:{model_slug(model)}:{hostname}"
 
+    def kv_blocks_staging(self, model: str, hostname: str) -> str:
+        """Set, for an instant: ``kv_blocks`` being rewritten whole, renamed over it in the same pipeline."""
+        return f"{self.key_prefix}kv-staging:{model_slug(model)}:{hostname}"
+
     def placement_workers(self, model: str) -> str:
         """Set: hostnames of the GPU workers that said they serve the model with ``PAGEDQ_PLACEMENT`` (a claim
         drops one whose record is gone; liveness is the record's ``beat_at``)."""

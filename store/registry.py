@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import redis
@@ -86,12 +87,13 @@ def renewed_records(r: redis.Redis, names: Names, hostnames: list[str], within_s
     return renewed
 
 
-# KEYS: the record. ARGV: TTL (s), then field, value, ... A beat: the fields, the Redis time of this beat
-# (``beat_at``, on the broker's clock whatever the host's), the TTL itself (``ttl_s``), and the TTL refreshed.
+# KEYS: the record, then keys that live as long as it. ARGV: TTL (s), then field, value, ... A beat: the fields,
+# the Redis time of this beat (``beat_at``, on the broker's clock whatever the host's), the TTL itself
+# (``ttl_s``), and the TTL refreshed, the other keys' too (those that exist).
 _BEAT = """
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'beat_at', string.format('%d.%06d', t[1], t[2]), 'ttl_s', ARGV[1], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return 1
 """
 
@@ -104,16 +106,19 @@ class Heartbeat(threading.Thread):
     last beat.  ``updated_at`` stays the host's time, for display.
     """
 
-    def __init__(self, r: redis.Redis, key: str, fields: dict, ttl_s: int = 15) -> None:
+    def __init__(self, r: redis.Redis, key: str, fields: dict, ttl_s: int = 15, also: Sequence[str] = ()) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.r, self.key, self.ttl_s = r, key, ttl_s
+        # keys written by other threads that must live exactly as long as the record (a GPU worker's prefix-cache
+        # set: its stepping thread refreshes it each step, but a step may outlast the TTL)
+        self.also = list(also)
         self.fields = dict(fields)  # written by every beat: a record that expired (a beat missed) comes back whole
         self._beat = r.register_script(_BEAT)
         self.beat()
 
     def beat(self) -> None:
         pairs = [x for k, v in {**self.fields, "updated_at": time.time()}.items() for x in (k, v)]
-        self._beat(keys=[self.key], args=[self.ttl_s, *pairs])
+        self._beat(keys=[self.key, *self.also], args=[self.ttl_s, *pairs])
 
     def update(self, **fields) -> None:
         """Change fields of the record (e.g. ``ready``), now and in every later beat."""

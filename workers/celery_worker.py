@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import redis
 from celery import Celery, signals
@@ -32,10 +33,13 @@ class _NoTracebackForRequeues(logging.Filter):
 
 
 def run_celery_worker(app: Celery, r: redis.Redis, record_key: str, record: dict, *, queues: list[str],
-                      concurrency: int, hostname: str, loglevel: str = "INFO", ttl_s: int = 15) -> None:
+                      concurrency: int, hostname: str, loglevel: str = "INFO", ttl_s: int = 15,
+                      keep_alive: Sequence[str] = ()) -> None:
+    """Run the Celery worker, its record beating every ``ttl_s / 3`` (``keep_alive``: keys that live as long as
+    the record)."""
     logging.getLogger("celery.app.trace").addFilter(_NoTracebackForRequeues())
     identity = {**process_identity(), "started_at": time.time()}
-    heartbeat = Heartbeat(r, record_key, {**record, **identity, "ready": 0}, ttl_s)
+    heartbeat = Heartbeat(r, record_key, {**record, **identity, "ready": 0}, ttl_s, also=keep_alive)
     heartbeat.start()
     signals.worker_ready.connect(lambda **_: heartbeat.update(ready=1), weak=False)
     app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues", ",".join(queues),

@@ -628,7 +628,8 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
         run_celery_worker(app, r, names.worker(hostname), {"role": "gpu", "model": engine.model_name},
                           queues=[queue, *([names.worker_queue(engine.model_name, hostname)] if placement else [])],
                           concurrency=inflight(settings), hostname=hostname,
-                          loglevel=loglevel, ttl_s=settings.worker_ttl_s)
+                          loglevel=loglevel, ttl_s=settings.worker_ttl_s,
+                          keep_alive=[names.kv_blocks(engine.model_name, hostname)] if placement else [])
     except SystemExit as e:
         code = e.code
     finally:

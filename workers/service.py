@@ -545,17 +545,26 @@ class EngineService:
     def _publish_cache(self, pipe) -> None:
         """The prefix cache's block names into ``names.kv_blocks``: the whole set when the pool is new (start,
         reload: new weights name every block anew), after a publish failed, and every ``CACHE_RESYNC_S`` (a
-        Redis that restarted lost it); else each step's changes.  Same TTL as the worker's record, so a dead
-        worker's set goes with it."""
+        Redis that restarted lost it); else each step's changes.  Same TTL as the worker's record (the heartbeat
+        refreshes both, ``run_celery_worker``'s ``keep_alive``), so a dead worker's set goes with it.
+
+        The whole set is built under a staging name and renamed over the old one: a claim (another connection)
+        sees the old set or the new, never an empty one between a DEL and an SADD of many blocks."""
         pool = self.engine.block_manager
         key = self.names.kv_blocks(self.engine.model_name, self.hostname)
         if pool is not self._cache_pool or time.monotonic() - self._cache_written_at > CACHE_RESYNC_S:
             pool.track_changes()
             self._cache_pool, self._cache_written_at = pool, time.monotonic()
-            pipe.delete(key)
-            cached, evicted = list(pool.cached), []
-        else:
-            cached, evicted = pool.take_changes()
+            if not pool.cached:
+                pipe.delete(key)
+                return
+            staging = self.names.kv_blocks_staging(self.engine.model_name, self.hostname)
+            pipe.delete(staging)
+            pipe.sadd(staging, *(h.hex() for h in pool.cached))
+            pipe.expire(staging, self.worker_ttl_s)
+            pipe.rename(staging, key)  # keeps the TTL
+            return
+        cached, evicted = pool.take_changes()
         if evicted:
             pipe.srem(key, *(h.hex() for h in evicted))
         if cached:
