@@ -302,6 +302,12 @@ class Names:
         drops one whose record is gone; liveness is the record's ``beat_at``)."""
         return f"{self.key_prefix}placement:{model_slug(model)}:workers"
 
+    @property
+    def fenced(self) -> str:
+        """Hash: writes refused because the worker making them had lost the job to another (fencing, ``store.jobs``),
+        counted by operation (finish, requeue)."""
+        return f"{self.key_prefix}fenced"
+
     def placement_stats(self, model: str) -> str:
         """Hash: counts of the model's placement decisions (by_cache, by_load, stolen, skipped, nudged)."""
         return f"{self.key_prefix}placement:{model_slug(model)}:stats"

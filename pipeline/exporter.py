@@ -123,6 +123,12 @@ class DeploymentCollector:
         yield decisions
         yield hit_ratio
 
+        fenced = CounterMetricFamily("pagedq_fenced", "Finishes and requeues refused because the worker making "
+                                     "them had lost the job to another (its lease restored away)", labels=["op"])
+        for op in ("finish", "requeue"):
+            fenced.add_metric([op], snap.fenced.get(op, 0))
+        yield fenced
+
         workers = GaugeMetricFamily("pagedq_workers", "Live workers (records not expired) by role and model",
                                     labels=["role", "model"])
         live: dict[tuple[str, str], int] = {}

@@ -152,6 +152,7 @@ class Snapshot:
     # model -> {"by_cache", "by_session", "by_load", "stolen", "skipped", "nudged", "hit_ratio"}: cache-aware
     # placement's decisions, and the share of its live GPU workers' prompt tokens served from their caches
     placement: dict[str, dict] = field(default_factory=dict)
+    fenced: dict[str, int] = field(default_factory=dict)  # op -> writes refused to a worker that lost its job
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -207,7 +208,8 @@ def snapshot(r: redis.Redis, names: Names, broker: str = "", job_limit: int | No
     for m in models:
         pipe.hgetall(names.placement_stats(m))
     pipe.hgetall(names.tenant_weights)
-    *counts, weights = pipe.execute()
+    pipe.hgetall(names.fenced)
+    *counts, weights, fenced = pipe.execute()
     backlogs, decisions = counts[:len(models)], counts[len(models):]
     workers = workers if workers is not None else worker_rows(r, names, now)
     model_of_queue = {q: m for m, q in queue_of.items()}
@@ -228,7 +230,8 @@ def snapshot(r: redis.Redis, names: Names, broker: str = "", job_limit: int | No
         oldest_queued=oldest, jobs_scanned=jobs.scanned, jobs_truncated=jobs.truncated,
         tenants=tenant_rows(jobs, weights, now),
         placement={m: {**{k: int(v) for k, v in d.items()}, "hit_ratio": fleet_hit_ratio(workers, m)}
-                   for m, d in zip(models, decisions, strict=True) if d})
+                   for m, d in zip(models, decisions, strict=True) if d},
+        fenced={op: int(n) for op, n in sorted(fenced.items())})
 
 
 def fleet_hit_ratio(workers: list[dict], model: str) -> float | None:
@@ -317,6 +320,9 @@ def render(snap: Snapshot) -> str:
                       [[m, *(d.get(k, 0) for k in ("by_cache", "by_session", "by_load", "stolen", "skipped", "nudged")),
                         f"{d['hit_ratio']:.1%}" if d.get("hit_ratio") is not None else None]
                        for m, d in sorted(snap.placement.items())])
+    if snap.fenced:
+        out += ["", "FENCED (writes refused to a worker whose job another worker had taken)  " +
+                "  ".join(f"{op} {n}" for op, n in snap.fenced.items())]
     out.append("")
     o = snap.oldest_queued
     out.append("OLDEST QUEUED JOB  " + (f"{o['job_id']}  model {o['model'] or '-'}  priority {o['priority']}"

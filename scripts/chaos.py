@@ -43,9 +43,12 @@ from pagedq.config import Settings
 from pagedq.pipeline import BrokerUnavailable, Client, RequestError
 from pagedq.pipeline.local.redis_server import RedisServer
 from pagedq.pipeline.local.stack import Child, Stack
+from pagedq.pipeline.local.topology import Topology
+from pagedq.store.connection import redis_client
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DEADLINE_S = 900
+DOWN_AFTER_MS = 2000  # Sentinel's down-after-milliseconds in the failover scenarios
 RECOVER_WAIT_S = 240  # the busy scenarios give up measuring a recovery after this long (and count what ended)
 
 
@@ -71,12 +74,13 @@ HEADER = ("| scenario | submitted | completed | failed (clear error) | lost | pu
 
 
 class DoneListener:
-    """Counts terminal-state publications per job; survives a broker restart (it resubscribes)."""
+    """Counts terminal-state publications per job; survives a broker restart or failover (it resubscribes, to the
+    master the sentinels name)."""
 
-    def __init__(self, url: str, pattern: str, prefix: str) -> None:
+    def __init__(self, r: redis.Redis, pattern: str, prefix: str) -> None:
         self.counts: Counter = Counter()
         self.prefix = prefix
-        self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+        self.r = r
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.psubscribe(**{pattern: self._on})
         self.thread = self.pubsub.run_in_thread(sleep_time=0.05, daemon=True, exception_handler=self._retry)
@@ -94,19 +98,31 @@ class DoneListener:
 
 
 class Deployment:
-    """A redis-server of its own (so it can be killed and restarted) and a pagedq stack on it."""
+    """A redis-server of its own (so it can be killed and restarted), or with ``sentinels`` a Sentinel topology
+    (a master, one replica, that many sentinels: ``pipeline.local.topology``), and a pagedq stack on it."""
 
-    def __init__(self, workdir: Path, gpu_workers: int = 1, **settings: object) -> None:
+    def __init__(self, workdir: Path, gpu_workers: int = 1, sentinels: int = 0, **settings: object) -> None:
         self.workdir = workdir
-        self.redis = RedisServer(workdir / "redis", write_run_file=False)
-        self.redis.start()
-        base = dict(broker_url=self.redis.url, result_cache=False, kv_cache_memory="256MiB", worker_ttl_s=6,
+        self.redis: RedisServer | None = None
+        self.topology: Topology | None = None
+        if sentinels:
+            self.topology = Topology(workdir / "redis", replicas=1, sentinels=sentinels, down_after_ms=DOWN_AFTER_MS)
+            self.url = self.topology.start()
+            self.topology.wait_healthy(60)
+        else:
+            self.redis = RedisServer(workdir / "redis", write_run_file=False)
+            self.url = self.redis.start()
+        base = dict(broker_url=self.url, result_cache=False, kv_cache_memory="256MiB", worker_ttl_s=6,
                     progress_interval_s=0.5, model_wait_s=120)
         self.settings = Settings(**{**base, **settings})
         self.stack = Stack(self.settings, gpu_workers=gpu_workers, log_dir=workdir / "logs").start()
-        self.client = Client(self.settings, self.redis.url)
+        self.client = Client(self.settings, self.url)
         names = self.client.names
-        self.done = DoneListener(self.redis.url, names.done_channel("*"), names.done_channel(""))
+        self.done = DoneListener(self.reader(), names.done_channel("*"), names.done_channel(""))
+
+    def reader(self) -> redis.Redis:
+        """A client of its own (on the master, wherever the sentinels say it is now)."""
+        return redis_client(self.url, 5, self.settings)
 
     def worker(self, role: str) -> Child:
         return next(c for c in self.stack.children if c.role == role)
@@ -216,7 +232,7 @@ class Deployment:
         every message naming it on a queue list or in ``unacked``."""
         from pagedq.store.transport import job_id_of
 
-        n, r = self.client.names, redis.Redis.from_url(self.redis.url, decode_responses=True)
+        n, r = self.client.names, self.reader()
         holders: dict[str, list[str]] = {}
         for key in r.scan_iter(match=n.broker_list_pattern, _type="list"):
             for raw in r.lrange(key, 0, -1):
@@ -242,7 +258,7 @@ class Deployment:
         self.done.stop()
         self.client.close()
         self.stack.stop()
-        self.redis.stop()
+        (self.topology or self.redis).stop()
 
 
 WORDS = ["queues", "caches", "rivers", "engines", "lighthouses", "parcels", "bees", "comets"]
@@ -547,7 +563,7 @@ def until_fault(d: Deployment, ids: list[str]) -> None:
 
 def resent(d: Deployment, ids: list[str]) -> int:
     """Jobs the lost-job sweep sent again (their message had vanished)."""
-    r = redis.Redis.from_url(d.redis.url, decode_responses=True)
+    r = d.reader()
     return sum(bool(r.hget(d.client.names.job(j), "resent")) for j in ids)
 
 
@@ -626,10 +642,66 @@ def redis_kill_busy(jobs: int = 40, lo: int = 32, hi: int = 500, ttl_s: int = 15
         return settle_busy(d, row, ids + probes)
 
 
+def sentinel_failover(jobs: int = 40, lo: int = 32, hi: int = 500, ack: int | None = None) -> Row:
+    """kill -9 of the Redis master while most jobs run (a broker host lost for good): Sentinel promotes the
+    replica after ``DOWN_AFTER_MS``; workers, producer and listener follow it without a restart.  ``ack``:
+    PAGEDQ_REDIS_MIN_REPLICAS_ACK (default: the environment's, else 0).  Without it, what the master had not yet
+    sent its replica is lost with it (Redis replication is asynchronous: the window is the replication lag)."""
+    ack = int(os.environ.get("PAGEDQ_REDIS_MIN_REPLICAS_ACK", "0")) if ack is None else ack
+    row = Row(f"kill -9 the Redis master, Sentinel failover, replica ack {ack} ({jobs} jobs of {lo}-{hi} tokens)")
+    with busy(jobs, sentinels=3, redis_min_replicas_ack=ack) as d:
+        ids = d.submit(jobs, spread(jobs, lo, hi))
+        until_fault(d, ids)
+        running = [j for j, (state, _) in d.snapshot(ids).items() if state != "done"]
+        old = d.topology.sentinel_master()
+        victim = d.topology.node_at(old[1])
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        killed = time.monotonic()
+        promoted = d.recover(lambda: d.topology.sentinel_master() not in (None, old), 120)
+        probes, sent_at = [], None
+        while sent_at is None and time.monotonic() - killed < RECOVER_WAIT_S:
+            try:  # the producer that submitted the jobs, not restarted: its next submits reach the new master
+                probes = d.submit(max(1, jobs // 8), 8)
+                sent_at = time.monotonic() - killed
+            except BrokerUnavailable:
+                time.sleep(0.5)
+        at_kill: dict[str, tuple[str, int]] = {}
+
+        def all_moving() -> bool:
+            now = d.snapshot(running + probes)
+            for j, (state, tokens) in now.items():
+                at_kill.setdefault(j, (state, tokens))
+            return all(state == "done" or (state == "in_progress" and tokens != at_kill[j][1])
+                       for j, (state, tokens) in now.items())
+
+        recovered = d.recover(all_moving)
+        row.recover_s = None if recovered is None else time.monotonic() - killed
+        row.notes.append(f"{len(running)} running at the kill; new master named after "
+                         f"{'-' if promoted is None else f'{promoted:.1f}'} s (down-after {DOWN_AFTER_MS / 1000:g} s); "
+                         f"{len(probes)} jobs of 8 tokens submitted by the same client "
+                         f"{'-' if sent_at is None else f'{sent_at:.1f}'} s after the kill; recover = from the kill "
+                         "until each of these is generating (tokens moving) or done; no process restarted")
+        out = settle_busy(d, row, ids + probes)
+        out.notes.append(f"old master back as a replica: {rejoined(d, victim)}")
+        return out
+
+
+def rejoined(d: Deployment, node) -> bool:
+    """Start the killed master again (as ``pagedq up`` would): it must come back as a replica of the new one."""
+    try:
+        d.topology.start()
+        d.topology.wait_healthy(60)
+        return redis.Redis.from_url(node.url, socket_timeout=2).role()[0] in (b"slave", "slave")
+    except (redis.RedisError, OSError, TimeoutError):
+        return False
+
+
 SCENARIOS: dict[str, Callable[..., Row]] = {
     "gpu_kill": gpu_kill, "cpu_kill": cpu_kill, "stage_kill": stage_kill, "redis_kill": redis_kill,
     "sigterm": sigterm, "redis_pause": redis_pause, "garbage": garbage, "backlog": backlog,
     "all_kill": all_kill, "redis_kill_busy": redis_kill_busy, "placement_kill": placement_kill,
+    "sentinel_failover": sentinel_failover,
 }
 
 # --jobs / --min-tokens / --max-tokens, for the scenarios that take them

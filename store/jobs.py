@@ -403,11 +403,11 @@ class JobStore:
                 n.stream_ttl_after_end_s, "defer" if self.min_replicas_ack else "", _fence_arg(fence)]
         if not self.min_replicas_ack:
             ended = self._finish(keys=keys, args=args)
-            return not _fenced(job_id, ended, fence) and bool(ended)
+            return not self._fenced(job_id, ended, fence, "finish") and bool(ended)
         pipe = self.r.pipeline(transaction=False)
         self._finish(keys=keys, args=args, client=pipe)
         ended, acked = self._wait_behind(pipe)
-        if not ended or _fenced(job_id, ended, fence):
+        if not ended or self._fenced(job_id, ended, fence, "finish"):
             return False
         if acked < self.min_replicas_ack:
             log.warning("job %s ended %s, but %d of %d replicas confirmed it within %g s: not announced",
@@ -453,24 +453,26 @@ class JobStore:
         does not count as an attempt; losing a process of its replica does (the job may be what killed it).
         ``fence`` as in ``finish``: a worker the job was taken from since does not hand it back."""
         handed = self._requeue(keys=[self.names.job(job_id)], args=["1" if count_attempt else "0", _fence_arg(fence)])
-        return not _fenced(job_id, handed, fence) and bool(handed)
+        return not self._fenced(job_id, handed, fence, "requeue") and bool(handed)
 
     def result(self, job_id: str) -> dict | None:
         raw = self.r.get(self.names.result(job_id))
         return json.loads(raw) if raw else None
 
+    def _fenced(self, job_id: str, reply, fence: int | None, op: str) -> bool:
+        """True (logged, counted in ``names.fenced``) when a script refused a fenced write: its reply is {-1, the
+        job's epoch}."""
+        if isinstance(reply, list) and reply[0] == -1:
+            log.warning("fenced: %s of job %s at epoch %s refused, the job is at epoch %s", op, job_id, fence,
+                        reply[1])
+            self.r.hincrby(self.names.fenced, op, 1)
+            return True
+        return False
+
 
 def _fence_arg(fence: int | None) -> str:
     """A fence as the scripts take it: '' for none."""
     return "" if fence is None else str(int(fence))
-
-
-def _fenced(job_id: str, reply, fence: int | None) -> bool:
-    """True (logged) when a script refused a fenced write: its reply is {-1, the job's epoch}."""
-    if isinstance(reply, list) and reply[0] == -1:
-        log.warning("fenced: job %s epoch %s, now %s", job_id, fence, reply[1])
-        return True
-    return False
 
 
 def _flat(fields: dict) -> list:

@@ -4,6 +4,7 @@ requeue fenced with an older epoch (a holder its lease was restored away from) w
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 
@@ -100,7 +101,8 @@ def test_a_stale_holders_finish_writes_nothing_publishes_nothing_and_is_logged(r
     assert store.finish("j", JobState.COMPLETED, result={"answer": "A's"}, fence=stale.epoch) is False
     assert everything(redis, names) == before
     assert published(done) == []
-    assert "fenced: job j epoch 1, now 2" in caplog.text
+    assert "fenced: finish of job j at epoch 1 refused, the job is at epoch 2" in caplog.text
+    assert redis.hgetall(names.fenced) == {"finish": "1"}, "counted (pagedq status, pagedq_fenced_total)"
     assert store.finish("j", JobState.COMPLETED, result={"answer": "B's"}, fence=2) is True
     assert store.state("j") == "completed" and store.result("j") == {"answer": "B's"}
     assert published(done) == ["completed"]
@@ -134,12 +136,13 @@ def test_a_stale_finish_is_refused_when_ends_wait_for_replicas_too(redis, names,
     assert store.state("j") == "completed"
 
 
-def test_a_stale_requeue_leaves_the_new_holders_job_alone(store):
+def test_a_stale_requeue_leaves_the_new_holders_job_alone(redis, names, store):
     create(store)
     store.admit("j", worker="A")
     store.admit("j", worker="B")
     before = store.get("j")
     assert store.requeue("j", fence=1) is False  # A drains: the job is B's now
+    assert redis.hgetall(names.fenced) == {"requeue": "1"}
     assert store.get("j") == before and before["state"] == "in_progress" and before["worker"] == "B"
     assert store.requeue("j", fence=2) is True
     assert store.state("j") == "queued" and store.get("j")["attempts"] == str(int(before["attempts"]) - 1)
@@ -163,3 +166,30 @@ def test_a_completion_without_an_epoch_parses_as_unfenced():
     assert parse_message(Completion, fields).epoch == 0  # from a worker older than fencing
     fenced = parse_message(Completion, to_json(Completion(**fields, epoch=7)))
     assert fenced.epoch == 7
+
+
+def test_pagedq_status_and_the_exporter_count_the_refused_writes(redis, names, store):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedq.pipeline.exporter import deployment_registry
+    from pagedq.pipeline.status import render, snapshot
+
+    stale_finishes = random.randint(2, 6)
+    for i in range(stale_finishes + 1):
+        create(store, f"j{i}")
+        store.admit(f"j{i}", worker="A")
+        store.admit(f"j{i}", worker="B")
+    for i in range(stale_finishes):
+        assert not store.finish(f"j{i}", JobState.COMPLETED, result={"x": i}, fence=1)
+    assert not store.requeue(f"j{stale_finishes}", fence=1)
+    assert store.finish("j0", JobState.COMPLETED, result={"x": 0}, fence=2)  # the holder's: not counted
+    snap = snapshot(redis, names)
+    assert snap.fenced == {"finish": stale_finishes, "requeue": 1}
+    assert f"FENCED (writes refused to a worker whose job another worker had taken)  finish {stale_finishes}" \
+        in render(snap)
+    text = generate_latest(deployment_registry(redis, names)).decode()
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("pagedq_fenced_total", (("op", "finish"),))] == stale_finishes
+    assert samples[("pagedq_fenced_total", (("op", "requeue"),))] == 1
