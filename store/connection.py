@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 
 import redis
+import redis.asyncio as aredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from pagedq.config.sentinel import SentinelAddress, mask_url, parse_sentinel_url, sentinel_kwargs
@@ -63,11 +66,16 @@ class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool)
     master are dropped) that blocks for a free connection as ``redis_client``'s does."""
 
 
+class AsyncBlockingSentinelPool(AsyncSentinelConnectionPool, aredis.BlockingConnectionPool):
+    """``BlockingSentinelPool`` for ``redis.asyncio``."""
+
+
 def master_name(settings: Settings | None) -> str:
     return settings.redis_master_name if settings is not None else "pagedq"
 
 
-def redis_client(url: str, timeout_s: float | None = 30, settings: Settings | None = None) -> redis.Redis:
+def redis_client(url: str, timeout_s: float | None = 30, settings: Settings | None = None, *,
+                 decode_responses: bool = True) -> redis.Redis:
     """A client whose every call answers or raises within ``timeout_s`` (blocking reads wait less than that).
 
     Its pool blocks for a free connection (up to ``timeout_s``) instead of raising: redis-py's default pool
@@ -75,19 +83,38 @@ def redis_client(url: str, timeout_s: float | None = 30, settings: Settings | No
     With a ``sentinel://`` URL it talks to whichever node the sentinels name master of
     ``PAGEDQ_REDIS_MASTER_NAME``, and follows a failover (a call during one raises a ``ConnectionError``).
     """
+    return _client(_SYNC, url, settings, MAX_CONNECTIONS, _options(timeout_s, timeout_s, decode_responses))
+
+
+def async_redis_client(url: str, socket_timeout_s: float, pool_timeout_s: float, max_connections: int,
+                       settings: Settings | None = None) -> aredis.Redis:
+    """``redis_client``'s asyncio twin (the gateway's): ``max_connections`` in a pool that waits up to
+    ``pool_timeout_s`` for a free one; a ``sentinel://`` URL followed to the master, across failovers.  Closing
+    the client closes its pool."""
+    return _client(_ASYNC, url, settings, max_connections, _options(socket_timeout_s, pool_timeout_s, True))
+
+
+# (the redis module, its Sentinel, the blocking Sentinel pool): redis_client's and async_redis_client's
+_SYNC = (redis, Sentinel, BlockingSentinelPool)
+_ASYNC = (aredis, AsyncSentinel, AsyncBlockingSentinelPool)
+
+
+def _options(socket_timeout_s: float | None, pool_timeout_s: float | None, decode_responses: bool) -> dict:
+    return {"timeout": pool_timeout_s, "socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s,
+            "decode_responses": decode_responses, "health_check_interval": 30, "retry_on_timeout": False}
+
+
+def _client(flavour: tuple, url: str, settings: Settings | None, max_connections: int, options: dict):
+    lib, sentinel_class, sentinel_pool = flavour
     address = parse_sentinel_url(url)
     if address is not None:
-        sentinels = Sentinel(address.sentinels, sentinel_kwargs=sentinel_kwargs(settings, address))
-        return sentinels.master_for(
-            master_name(settings), connection_pool_class=BlockingSentinelPool, max_connections=MAX_CONNECTIONS,
-            timeout=timeout_s, decode_responses=True, health_check_interval=30, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, retry_on_timeout=False, socket_keepalive=True,
-            username=address.username, password=address.password, db=address.db)
-    pool = redis.BlockingConnectionPool.from_url(
-        url, max_connections=MAX_CONNECTIONS, timeout=timeout_s, decode_responses=True, health_check_interval=30,
-        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
-        **tls_options(url, settings))
-    return redis.Redis(connection_pool=pool)
+        sentinels = sentinel_class(address.sentinels, sentinel_kwargs=sentinel_kwargs(settings, address))
+        return sentinels.master_for(master_name(settings), connection_pool_class=sentinel_pool,
+                                    max_connections=max_connections, socket_keepalive=True,
+                                    username=address.username, password=address.password, db=address.db, **options)
+    pool = lib.BlockingConnectionPool.from_url(url, max_connections=max_connections, **options,
+                                               **tls_options(url, settings))
+    return lib.Redis(connection_pool=pool) if lib is redis else lib.Redis.from_pool(pool)
 
 
 def ping(url: str, timeout: float = 1.0, settings: Settings | None = None) -> bool:

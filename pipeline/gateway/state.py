@@ -27,8 +27,8 @@ from pagedq.pipeline.gateway.files import FileStore
 from pagedq.pipeline.gateway.follow import Follower, Tick
 from pagedq.pipeline.gateway.keys import ANONYMOUS, KeyRing, Tenant
 from pagedq.pipeline.gateway.limits import TenantLimits
+from pagedq.store.connection import async_redis_client, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
-from pagedq.store.connection import tls_options
 from pagedq.store.registry import live_workers
 
 LIVENESS_CACHE_S = 2.0  # how long "a worker serves model M" is believed without looking again
@@ -74,7 +74,7 @@ class Gateway:
         self.settings, self.names, self.r = self.client.settings, self.client.names, self.client.r
         self.keys = GatewayKeys(self.settings.key_prefix)
         # Bytes replies, for file contents; the same server, password and TLS as the Client's connection.
-        self.raw = redis.Redis.from_url(self.url, health_check_interval=30, **self._connection_options())
+        self.raw = redis_client(self.url, self._socket_timeout_s, self.settings, decode_responses=False)
         self.limits = TenantLimits(self.r, self.keys, self.names.job(""))
         self.files = FileStore(self.r, self.raw, self.keys, self.config.file_ttl_s, self.settings.file_store_share)
         self.batches = BatchStore(self.client, self.files, self.limits, self.keys, self.config)
@@ -88,10 +88,9 @@ class Gateway:
         self.client.close()
         self.raw.close()
 
-    def _connection_options(self) -> dict:
-        timeout = self.settings.broker_timeout_s + 2  # above the 1 s blocking reads of follow.py
-        return {"socket_timeout": timeout, "socket_connect_timeout": timeout,
-                **tls_options(self.url, self.settings)}
+    @property
+    def _socket_timeout_s(self) -> float:
+        return self.settings.broker_timeout_s + 2  # above the 1 s blocking reads of follow.py
 
     def aredis(self) -> aredis.Redis:
         """The asyncio Redis client of the running event loop: a blocking pool of ``ASYNC_POOL_SIZE``
@@ -108,10 +107,8 @@ class Gateway:
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            pool = aredis.BlockingConnectionPool.from_url(
-                self.url, max_connections=ASYNC_POOL_SIZE, timeout=self.settings.broker_timeout_s,
-                decode_responses=True, health_check_interval=30, **self._connection_options())
-            self._aredis = aredis.Redis.from_pool(pool)
+            self._aredis = async_redis_client(self.url, self._socket_timeout_s, self.settings.broker_timeout_s,
+                                              ASYNC_POOL_SIZE, self.settings)
             self._follower = Follower(self._aredis, self.names)
             self._loop = loop
 

@@ -158,3 +158,48 @@ def _role(port: int, password: str) -> str | None:
         return redis.Redis(port=port, password=password, socket_timeout=1).info("replication")["role"]
     except redis.RedisError:
         return None
+
+
+def test_the_gateways_clients_follow_a_failover(topology):
+    """The gateway's three clients on a sentinel:// URL (the Client's, the bytes one for file contents, the asyncio
+    one its waiting requests use) write to the master the sentinel names, and after kill -9 of it, to the
+    promoted replica, with no new Gateway."""
+    import asyncio
+
+    from pagedq.pipeline.gateway.state import Gateway
+
+    master, replica, sentinel, data_pw, sentinel_pw = topology
+    url = f"sentinel://:{data_pw}@127.0.0.1:{sentinel.port}/0"
+    gateway = Gateway(Settings(broker_url=url, redis_sentinel_password=sentinel_pw, broker_timeout_s=2), url)
+    loop = asyncio.new_event_loop()
+    key, content = f"gw-{secrets.token_hex(4)}", secrets.token_bytes(32)
+
+    async def async_roundtrip(suffix: str) -> str | None:
+        r = gateway.aredis()
+        await r.set(f"{key}-async{suffix}", suffix)
+        return await r.get(f"{key}-async{suffix}")
+
+    def all_three(suffix: str) -> bool:
+        try:
+            gateway.r.set(f"{key}-sync{suffix}", suffix)
+            gateway.raw.set(f"{key}-raw{suffix}", content)
+            return (loop.run_until_complete(async_roundtrip(suffix)) == suffix
+                    and gateway.raw.get(f"{key}-raw{suffix}") == content)
+        except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError):
+            return False  # the failover is under way
+
+    try:
+        assert all_three("-before")
+        direct = redis.Redis(port=master.port, password=data_pw)
+        assert direct.get(f"{key}-raw-before") == content and direct.get(f"{key}-async-before") == b"-before"
+        assert direct.wait(1, 5000) >= 1
+        master.kill()  # kill -9
+        wait_until(lambda: all_three("-after"), 60, interval=0.2, what="all three clients writing after the failover")
+        new = redis.Redis(port=replica.port, password=data_pw)
+        assert new.info("replication")["role"] == "master"
+        assert [new.get(f"{key}-{c}-after") for c in ("sync", "async")] == [b"-after", b"-after"]
+        assert new.get(f"{key}-raw-after") == content and new.get(f"{key}-raw-before") == content
+    finally:
+        loop.run_until_complete(gateway.aclose())
+        loop.close()
+        gateway.close()
