@@ -40,7 +40,7 @@ from pathlib import Path
 import redis
 
 from pagedq.config import Settings
-from pagedq.pipeline import BrokerUnavailable, Client, RequestError
+from pagedq.pipeline import BrokerUnavailable, Client, JobNotFoundError, RequestError
 from pagedq.pipeline.local.redis_server import RedisServer
 from pagedq.pipeline.local.stack import Child, Stack
 from pagedq.pipeline.local.topology import Topology
@@ -49,7 +49,8 @@ from pagedq.store.connection import redis_client
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DEADLINE_S = 900
 DOWN_AFTER_MS = 2000  # Sentinel's down-after-milliseconds in the failover scenarios
-RECOVER_WAIT_S = 240  # the busy scenarios give up measuring a recovery after this long (and count what ended)
+RECOVER_WAIT_S = 240
+FENCE_WAIT_S = 120  # gpu_freeze: how long the thawed worker has to try finishing the jobs it held  # the busy scenarios give up measuring a recovery after this long (and count what ended)
 
 
 @dataclass
@@ -99,14 +100,16 @@ class DoneListener:
 
 class Deployment:
     """A redis-server of its own (so it can be killed and restarted), or with ``sentinels`` a Sentinel topology
-    (a master, one replica, that many sentinels: ``pipeline.local.topology``), and a pagedq stack on it."""
+    (a master, ``replicas`` replicas, that many sentinels: ``pipeline.local.topology``), and a pagedq stack on it."""
 
-    def __init__(self, workdir: Path, gpu_workers: int = 1, sentinels: int = 0, **settings: object) -> None:
+    def __init__(self, workdir: Path, gpu_workers: int = 1, sentinels: int = 0, replicas: int = 1,
+                 **settings: object) -> None:
         self.workdir = workdir
         self.redis: RedisServer | None = None
         self.topology: Topology | None = None
         if sentinels:
-            self.topology = Topology(workdir / "redis", replicas=1, sentinels=sentinels, down_after_ms=DOWN_AFTER_MS)
+            self.topology = Topology(workdir / "redis", replicas=replicas, sentinels=sentinels,
+                                     down_after_ms=DOWN_AFTER_MS)
             self.url = self.topology.start()
             self.topology.wait_healthy(60)
         else:
@@ -171,7 +174,11 @@ class Deployment:
         """job -> (state, completion tokens so far); one status read per job."""
         out = {}
         for job in jobs:
-            s = self.status(job)
+            try:
+                s = self.status(job)
+            except JobNotFoundError:
+                out[job] = ("missing", 0)
+                continue
             out[job] = ("done" if s.done else s.state, s.completion_tokens or 0)
         return out
 
@@ -212,7 +219,12 @@ class Deployment:
         row.submitted += len(jobs)
         errors: Counter = Counter()
         for job in jobs:
-            status = self.status(job)
+            try:
+                status = self.status(job)
+            except JobNotFoundError:  # its record is gone (a failover without the replica ack, in its window)
+                row.lost += 1
+                errors["record gone"] += 1
+                continue
             if status.state == "completed":
                 row.completed += 1
             elif status.done and status.error and status.error.get("code") and status.error.get("message"):
@@ -251,7 +263,7 @@ class Deployment:
     def _terminal(self, job: str) -> bool:
         try:
             return self.status(job).done
-        except BrokerUnavailable:
+        except (BrokerUnavailable, JobNotFoundError):
             return False
 
     def close(self) -> None:
@@ -293,6 +305,42 @@ def gpu_kill(jobs: int = 24, tokens: int = 160) -> Row:
         row.notes.append(f"{len(interrupted)} running at the kill; recover = all of them running again "
                          f"(lease {d.settings.worker_ttl_s} s, new worker's model load included)")
         return d.settle(row, ids)
+
+
+def gpu_freeze(jobs: int = 12, tokens: int = 160) -> Row:
+    """SIGSTOP of a GPU worker (and its process group) mid-generation, past its lease: the other GPU worker
+    restores and runs its jobs; then SIGCONT: the frozen worker wakes up believing it still holds them, and
+    fencing must refuse every finish and requeue it attempts (``pagedq_fenced_total``)."""
+    row = Row("SIGSTOP a GPU worker past its lease, SIGCONT after (2 GPU workers)")
+    with deployment(gpu_workers=2, max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+        ids = d.submit(jobs, tokens)
+        d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
+        holders = Counter(d.status(j).worker for j in d.running(ids))
+        victim = next(c for c in d.stack.children if c.hostname == holders.most_common(1)[0][0])
+        frozen_jobs = [j for j in d.running(ids) if d.status(j).worker == victim.hostname]
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            d.wait_for(lambda: all(d.status(j).done or d.status(j).worker not in (None, victim.hostname)
+                                   for j in frozen_jobs), DEADLINE_S)
+            row.recover_s = time.monotonic() - frozen
+            time.sleep(2)  # its jobs advance on the other worker before it wakes
+        finally:
+            os.killpg(victim.proc.pid, signal.SIGCONT)
+        names = d.client.names
+
+        def fenced() -> dict[str, int]:
+            return {op: int(n) for op, n in d.reader().hgetall(names.fenced).items()}
+
+        try:  # it generates on from where it froze, then tries to finish each job it held
+            d.wait_for(lambda: sum(fenced().values()) >= len(frozen_jobs), FENCE_WAIT_S, poll=1)
+        except TimeoutError:
+            pass
+        out = d.settle(row, ids)
+        out.notes.append(f"{len(frozen_jobs)} running on it at the SIGSTOP; recover = until all of them ran on "
+                         f"the other worker (lease {d.settings.worker_ttl_s} s); writes refused after the SIGCONT: "
+                         f"{fenced() or 'none'}; it {'exited' if victim.proc.poll() is not None else 'lives on'}")
+        return out
 
 
 def placement_kill(jobs: int = 16, tokens: int = 160) -> Row:
@@ -646,10 +694,11 @@ def sentinel_failover(jobs: int = 40, lo: int = 32, hi: int = 500, ack: int | No
     """kill -9 of the Redis master while most jobs run (a broker host lost for good): Sentinel promotes the
     replica after ``DOWN_AFTER_MS``; workers, producer and listener follow it without a restart.  ``ack``:
     PAGEDQ_REDIS_MIN_REPLICAS_ACK (default: the environment's, else 0).  Without it, what the master had not yet
-    sent its replica is lost with it (Redis replication is asynchronous: the window is the replication lag)."""
+    sent its replica is lost with it (Redis replication is asynchronous: the window is the replication lag).
+    Two replicas: with the ack option a replica must remain to confirm writes once one has become master."""
     ack = int(os.environ.get("PAGEDQ_REDIS_MIN_REPLICAS_ACK", "0")) if ack is None else ack
     row = Row(f"kill -9 the Redis master, Sentinel failover, replica ack {ack} ({jobs} jobs of {lo}-{hi} tokens)")
-    with busy(jobs, sentinels=3, redis_min_replicas_ack=ack) as d:
+    with busy(jobs, sentinels=3, replicas=2, redis_min_replicas_ack=ack) as d:
         ids = d.submit(jobs, spread(jobs, lo, hi))
         until_fault(d, ids)
         running = [j for j, (state, _) in d.snapshot(ids).items() if state != "done"]
@@ -666,13 +715,16 @@ def sentinel_failover(jobs: int = 40, lo: int = 32, hi: int = 500, ack: int | No
                 sent_at = time.monotonic() - killed
             except BrokerUnavailable:
                 time.sleep(0.5)
-        at_kill: dict[str, tuple[str, int]] = {}
+        first_seen: dict[str, tuple[str, int]] = {}  # each job as first read after the failover
 
         def all_moving() -> bool:
-            now = d.snapshot(running + probes)
+            try:
+                now = d.snapshot(running + probes)
+            except BrokerUnavailable:
+                return False
             for j, (state, tokens) in now.items():
-                at_kill.setdefault(j, (state, tokens))
-            return all(state == "done" or (state == "in_progress" and tokens != at_kill[j][1])
+                first_seen.setdefault(j, (state, tokens))
+            return all(state == "done" or (state == "in_progress" and tokens != first_seen[j][1])
                        for j, (state, tokens) in now.items())
 
         recovered = d.recover(all_moving)
@@ -701,7 +753,7 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "gpu_kill": gpu_kill, "cpu_kill": cpu_kill, "stage_kill": stage_kill, "redis_kill": redis_kill,
     "sigterm": sigterm, "redis_pause": redis_pause, "garbage": garbage, "backlog": backlog,
     "all_kill": all_kill, "redis_kill_busy": redis_kill_busy, "placement_kill": placement_kill,
-    "sentinel_failover": sentinel_failover,
+    "sentinel_failover": sentinel_failover, "gpu_freeze": gpu_freeze,
 }
 
 # --jobs / --min-tokens / --max-tokens, for the scenarios that take them

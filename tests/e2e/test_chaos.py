@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import threading
@@ -89,6 +90,33 @@ def test_kill_and_restart_redis_under_load():
     row = chaos.redis_kill_busy(jobs=12, lo=16, hi=120, ttl_s=6)
     check(row, 12)
     assert row.recover_s is not None and row.recover_s <= 30
+
+
+@pytest.mark.parametrize("ack", [1, 0])
+def test_kill_9_of_the_redis_master_sentinel_fails_over(ack):
+    """A master, a replica and three sentinels (real servers); kill -9 of the master while most jobs run:
+    Sentinel promotes the replica, and the workers, the producer (more jobs submitted after) and the done-channel
+    listener follow it with no process restarted; every job completes once, each interrupted one generating
+    again within 30 s of Sentinel's down-after time; the old master, started again, is a replica.  With
+    ``PAGEDQ_REDIS_MIN_REPLICAS_ACK=1`` nothing acknowledged can be lost; without it the window is the
+    replication lag (on loopback well under a millisecond, and every job here was submitted seconds before the
+    kill).  10 jobs of 16…120 tokens (full size, ``python scripts/chaos.py sentinel_failover``: 40 of 32…500)."""
+    row = chaos.sentinel_failover(jobs=10, lo=16, hi=120, ack=ack)
+    check(row, 11)
+    assert row.recover_s is not None and row.recover_s <= chaos.DOWN_AFTER_MS / 1000 + 30, row.notes[0]
+    assert row.notes[-1] == "old master back as a replica: True"
+
+
+def test_a_gpu_worker_frozen_past_its_lease_is_fenced_when_it_wakes():
+    """Two GPU workers; SIGSTOP of the one running most jobs until the other has restored all of its jobs, then
+    SIGCONT: every job completes once (published once), and the finishes the woken worker attempts for the jobs
+    it lost are refused (counted in ``names.fenced``)."""
+    row = chaos.gpu_freeze(jobs=8, tokens=96)
+    check(row, 8)
+    note = row.notes[-1]
+    held = int(note.split(" running on it")[0])
+    refused = ast.literal_eval(note.split("writes refused after the SIGCONT: ")[1].split("; it ")[0])
+    assert held >= 1 and refused.get("finish", 0) >= held, note  # jobs it had taken but not started count too
 
 
 IDENTITY = "from pagedq.workers.processes import process_identity as p; import json, time; " \
