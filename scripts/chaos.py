@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -690,18 +691,26 @@ def redis_kill_busy(jobs: int = 40, lo: int = 32, hi: int = 500, ttl_s: int = 15
         return settle_busy(d, row, ids + probes)
 
 
-def sentinel_failover(jobs: int = 40, lo: int = 32, hi: int = 500, ack: int | None = None) -> Row:
-    """kill -9 of the Redis master while most jobs run (a broker host lost for good): Sentinel promotes the
-    replica after ``DOWN_AFTER_MS``; workers, producer and listener follow it without a restart.  ``ack``:
+def sentinel_failover(jobs: int = 40, lo: int = 32, hi: int = 500, ack: int | None = None,
+                      kill_sentinel: bool = False) -> Row:
+    """kill -9 of the Redis master while most jobs run (a broker host lost for good): the sentinels promote a
+    replica after ``DOWN_AFTER_MS``; workers, producer and listener follow it without a restart; the old master,
+    started again, must come back as a replica.  ``kill_sentinel``: kill -9 of the first-listed sentinel (first
+    in every process's URL) just before the master.  ``ack``:
     PAGEDQ_REDIS_MIN_REPLICAS_ACK (default: the environment's, else 0).  Without it, what the master had not yet
     sent its replica is lost with it (Redis replication is asynchronous: the window is the replication lag).
     Two replicas: with the ack option a replica must remain to confirm writes once one has become master."""
     ack = int(os.environ.get("PAGEDQ_REDIS_MIN_REPLICAS_ACK", "0")) if ack is None else ack
-    row = Row(f"kill -9 the Redis master, Sentinel failover, replica ack {ack} ({jobs} jobs of {lo}-{hi} tokens)")
+    what = "a sentinel and the Redis master" if kill_sentinel else "the Redis master"
+    row = Row(f"kill -9 {what}, Sentinel failover, replica ack {ack} ({jobs} jobs of {lo}-{hi} tokens)")
     with busy(jobs, sentinels=3, replicas=2, redis_min_replicas_ack=ack) as d:
         ids = d.submit(jobs, spread(jobs, lo, hi))
         until_fault(d, ids)
         running = [j for j, (state, _) in d.snapshot(ids).items() if state != "done"]
+        if kill_sentinel:
+            first = d.topology.sentinel_servers[0]  # the first in the URL every process was given
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait()
         old = d.topology.sentinel_master()
         victim = d.topology.node_at(old[1])
         victim.proc.send_signal(signal.SIGKILL)
@@ -729,7 +738,8 @@ def sentinel_failover(jobs: int = 40, lo: int = 32, hi: int = 500, ack: int | No
 
         recovered = d.recover(all_moving)
         row.recover_s = None if recovered is None else time.monotonic() - killed
-        row.notes.append(f"{len(running)} running at the kill; new master named after "
+        row.notes.append(f"{'first-listed sentinel killed, then the master; ' if kill_sentinel else ''}"
+                         f"{len(running)} running at the kill; new master named after "
                          f"{'-' if promoted is None else f'{promoted:.1f}'} s (down-after {DOWN_AFTER_MS / 1000:g} s); "
                          f"{len(probes)} jobs of 8 tokens submitted by the same client "
                          f"{'-' if sent_at is None else f'{sent_at:.1f}'} s after the kill; recover = from the kill "
@@ -753,7 +763,8 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "gpu_kill": gpu_kill, "cpu_kill": cpu_kill, "stage_kill": stage_kill, "redis_kill": redis_kill,
     "sigterm": sigterm, "redis_pause": redis_pause, "garbage": garbage, "backlog": backlog,
     "all_kill": all_kill, "redis_kill_busy": redis_kill_busy, "placement_kill": placement_kill,
-    "sentinel_failover": sentinel_failover, "gpu_freeze": gpu_freeze,
+    "sentinel_failover": sentinel_failover, "sentinel_kill": partial(sentinel_failover, kill_sentinel=True),
+    "gpu_freeze": gpu_freeze,
 }
 
 # --jobs / --min-tokens / --max-tokens, for the scenarios that take them

@@ -94,8 +94,8 @@ def test_kill_and_restart_redis_under_load():
 
 @pytest.mark.parametrize("ack", [1, 0])
 def test_kill_9_of_the_redis_master_sentinel_fails_over(ack):
-    """A master, a replica and three sentinels (real servers); kill -9 of the master while most jobs run:
-    Sentinel promotes the replica, and the workers, the producer (more jobs submitted after) and the done-channel
+    """A master, two replicas and three sentinels (real servers); kill -9 of the master while most jobs run:
+    Sentinel promotes a replica, and the workers, the producer (more jobs submitted after) and the done-channel
     listener follow it with no process restarted; every job completes once, each interrupted one generating
     again within 30 s of Sentinel's down-after time; the old master, started again, is a replica.  With
     ``PAGEDQ_REDIS_MIN_REPLICAS_ACK=1`` nothing acknowledged can be lost; without it the window is the
@@ -105,6 +105,17 @@ def test_kill_9_of_the_redis_master_sentinel_fails_over(ack):
     check(row, 11)
     assert row.recover_s is not None and row.recover_s <= chaos.DOWN_AFTER_MS / 1000 + 30, row.notes[0]
     assert row.notes[-1] == "old master back as a replica: True"
+
+
+def test_kill_9_of_the_first_listed_sentinel_and_the_master():
+    """As above with the first sentinel of every process's URL killed -9 just before the master: the two left
+    fail over, everyone finds the master through them, every job completes once.  Recovery is slower here (36
+    to 41 s measured at this size: clients try the dead sentinel first), so only that it recovered is asserted;
+    the 30-s line of issue 23 is not met in this case (docs/queue.md)."""
+    row = chaos.sentinel_failover(jobs=10, lo=16, hi=120, ack=1, kill_sentinel=True)
+    check(row, 11)
+    assert row.recover_s is not None, row.notes[0]
+    assert row.notes[0].startswith("first-listed sentinel killed") and row.notes[-1].endswith("replica: True")
 
 
 def test_a_gpu_worker_frozen_past_its_lease_is_fenced_when_it_wakes():
