@@ -32,6 +32,7 @@ def test_a_sentinel_url_names_every_sentinel_and_the_data_nodes_credentials():
     settings = Settings(redis_sentinel_password="sentinels-own")
     assert sentinel_kwargs(settings, parse_sentinel_url(url))["password"] == "sentinels-own"
     assert sentinel_kwargs(None, parse_sentinel_url(url))["password"] == pw
+    assert sentinel_kwargs(None, parse_sentinel_url(url))["retry"] is None, "the next sentinel is the retry"
 
 
 @pytest.mark.parametrize("url, what", [
