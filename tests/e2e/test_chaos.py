@@ -109,12 +109,11 @@ def test_kill_9_of_the_redis_master_sentinel_fails_over(ack):
 
 def test_kill_9_of_the_first_listed_sentinel_and_the_master():
     """As above with the first sentinel of every process's URL killed -9 just before the master: the two left
-    fail over, everyone finds the master through them, every job completes once.  Recovery is slower here (36
-    to 41 s measured at this size: clients try the dead sentinel first), so only that it recovered is asserted;
-    the 30-s line of issue 23 is not met in this case (docs/queue.md)."""
+    fail over, everyone finds the master through them (a dead sentinel costs a refused connection, not
+    redis-py's retries: 13.0 s measured, 36-41 s before), every job completes once."""
     row = chaos.sentinel_failover(jobs=10, lo=16, hi=120, ack=1, kill_sentinel=True)
     check(row, 11)
-    assert row.recover_s is not None, row.notes[0]
+    assert row.recover_s is not None and row.recover_s <= chaos.DOWN_AFTER_MS / 1000 + 30, row.notes[0]
     assert row.notes[0].startswith("first-listed sentinel killed") and row.notes[-1].endswith("replica: True")
 
 
