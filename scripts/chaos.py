@@ -50,8 +50,8 @@ from pagedq.store.connection import redis_client
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DEADLINE_S = 900
 DOWN_AFTER_MS = 2000  # Sentinel's down-after-milliseconds in the failover scenarios
-RECOVER_WAIT_S = 240
-FENCE_WAIT_S = 120  # gpu_freeze: how long the thawed worker has to try finishing the jobs it held  # the busy scenarios give up measuring a recovery after this long (and count what ended)
+RECOVER_WAIT_S = 240  # the busy scenarios give up measuring a recovery after this long (and count what ended)
+FENCE_WAIT_S = 120  # gpu_freeze: how long the thawed worker has to try finishing the jobs it held
 
 
 @dataclass
@@ -123,6 +123,7 @@ class Deployment:
         self.client = Client(self.settings, self.url)
         names = self.client.names
         self.done = DoneListener(self.reader(), names.done_channel("*"), names.done_channel(""))
+        self.r = self.reader()  # the scenarios' own reads
 
     def reader(self) -> redis.Redis:
         """A client of its own (on the master, wherever the sentinels say it is now)."""
@@ -245,7 +246,7 @@ class Deployment:
         every message naming it on a queue list or in ``unacked``."""
         from pagedq.store.transport import job_id_of
 
-        n, r = self.client.names, self.reader()
+        n, r = self.client.names, self.r
         holders: dict[str, list[str]] = {}
         for key in r.scan_iter(match=n.broker_list_pattern, _type="list"):
             for raw in r.lrange(key, 0, -1):
@@ -269,6 +270,7 @@ class Deployment:
 
     def close(self) -> None:
         self.done.stop()
+        self.r.close()
         self.client.close()
         self.stack.stop()
         (self.topology or self.redis).stop()
@@ -331,7 +333,7 @@ def gpu_freeze(jobs: int = 12, tokens: int = 160) -> Row:
         names = d.client.names
 
         def fenced() -> dict[str, int]:
-            return {op: int(n) for op, n in d.reader().hgetall(names.fenced).items()}
+            return {op: int(n) for op, n in d.r.hgetall(names.fenced).items()}
 
         try:  # it generates on from where it froze, then tries to finish each job it held
             d.wait_for(lambda: sum(fenced().values()) >= len(frozen_jobs), FENCE_WAIT_S, poll=1)
@@ -612,8 +614,7 @@ def until_fault(d: Deployment, ids: list[str]) -> None:
 
 def resent(d: Deployment, ids: list[str]) -> int:
     """Jobs the lost-job sweep sent again (their message had vanished)."""
-    r = d.reader()
-    return sum(bool(r.hget(d.client.names.job(j), "resent")) for j in ids)
+    return sum(bool(d.r.hget(d.client.names.job(j), "resent")) for j in ids)
 
 
 def settle_busy(d: Deployment, row: Row, ids: list[str], stall_s: float = 120) -> Row:
