@@ -56,7 +56,7 @@ from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline.postprocess import build_response, cache_answer
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
-from pagedq.store.connection import broker_url, redis_client
+from pagedq.store.connection import broker_url, redis_client, through_outage
 from pagedq.store.deadlines import DeadlineWatch, start_watching
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore
@@ -207,7 +207,8 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
             error = RequestError(f"postprocess failed: {type(e).__name__}: {e}", code="server_error")
             store.finish(c.request_id, JobState.FAILED, error=error.to_dict(), fence=c.epoch or None)
             raise JobNotCompleted(f"job {c.request_id} failed: {error.code}: {error}") from None
-        published = store.finish(c.request_id, JobState.COMPLETED, result=body, fence=c.epoch or None)
+        published = through_outage(lambda: store.finish(c.request_id, JobState.COMPLETED, result=body,
+                                                        fence=c.epoch or None), f"job {c.request_id}")
         if not published:
             log.info("job %s: already final or unknown; result not published again", c.request_id)
         else:

@@ -8,9 +8,14 @@ machine, read from the run file it keeps in its data dir.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import kombu.exceptions
 import redis
 import redis.asyncio as aredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
@@ -42,6 +47,26 @@ class NotReplicated(BrokerUnavailable):
     def __init__(self, message: str, job_ids: list[str] | None = None) -> None:
         super().__init__(message)
         self.job_ids = list(job_ids or [])
+
+
+OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)
+OUTAGE_WAIT_S = 60.0  # a worker's last writes of a job wait this long for the broker (a failover takes seconds)
+_T = TypeVar("_T")
+
+
+def through_outage(fn: Callable[[], _T], what: str, wait_s: float = OUTAGE_WAIT_S) -> _T:
+    """``fn()``, called again every half second while the broker is unreachable (a failover, a restart), for up
+    to ``wait_s`` seconds; then its error is raised.  ``fn`` must be safe to repeat (idempotent writes, fenced or
+    publish-once finishes): a write may have landed before its reply was lost."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return fn()
+        except OUTAGE_ERRORS as e:
+            if time.monotonic() >= deadline:
+                raise
+            logging.getLogger("pagedq.connection").warning("%s: the broker is unreachable, retrying: %s", what, e)
+            time.sleep(0.5)
 
 
 def tls_options(url: str, settings: Settings | None) -> dict:

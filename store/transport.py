@@ -31,6 +31,17 @@ would otherwise restore everyone's messages).  Invariants:
   broker came back (``resumed``), and nothing is restored until a full lease has
   passed since then, long enough for every live worker to renew first.
 - A consumer renews its own leases before it looks for expired ones.
+
+Handover: a connection lost (a broker crash, a Sentinel failover) closes the
+channel its messages were taken on, while their tasks keep running.  kombu
+would put every one of them back on its queue at the close (a second run of
+each task still running) or, with the broker gone, leave them to expire (the
+running ones redelivered a lease later, the rest waiting as long).  Here the
+close puts back only the messages of tasks the process is not running (those
+Celery took but had not started, and drops), and hands the rest to the
+process's next live channel, which renews their leases until their tasks end.
+An acknowledgement (or reject, or restore) that cannot reach the broker is
+kept and done by the next renewal that can, on whichever channel.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 from queue import Empty
 
 import redis
@@ -165,8 +177,125 @@ def job_id_of(payload: dict, tasks: tuple[str, ...] = PAGEDQ_TASKS) -> str | Non
         return None
 
 
+def running_tags() -> set[str]:
+    """The delivery tags of the tasks this process runs now and goes on running (Celery's active requests; none
+    outside a worker, none once it is stopping: kombu's restore at the close then puts them all back)."""
+    from celery.worker import state  # imported when first needed: producers use this transport too
+
+    if any(flag is not None and flag is not False for flag in (state.should_stop, state.should_terminate)):
+        return set()  # (a warm stop sets 0)
+    for _ in range(10):
+        try:
+            return {r.message.delivery_tag for r in list(state.active_requests)}
+        except RuntimeError:  # the set changed while it was copied (a task started or ended): read again
+            continue
+    return {r.message.delivery_tag for r in list(state.active_requests)}
+
+
+class Handover:
+    """What a process's channels could not settle with the broker, until one of its live channels does.
+
+    Two kinds: *deferred* settlements (an ack, reject or restore that hit a broker error, with the channel that
+    took the message), and the messages of a *closed* channel whose tasks were still running at its close.
+    Invariant: a message is in ``unacked`` until a settlement reaches the broker; the running ones' leases are
+    renewed by every live renewal until their tasks end (their ack is then deferred, and done at the next one).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._deferred: dict[str, str] = {}  # tag -> "ack" | "requeue" | "restore"
+        self._closed: set[LeaseQoS] = set()  # QoS of closed channels still holding running tasks' messages
+
+    def defer(self, tag: str, how: str) -> None:
+        with self._lock:
+            self._deferred[tag] = how
+
+    def hold(self, qos: LeaseQoS) -> None:
+        with self._lock:
+            self._closed.add(qos)
+
+    def take_over(self, live: LeaseQoS, client) -> list[str]:
+        """Through ``client`` (a live channel's, whose ``live`` QoS does the work): do the deferred settlements,
+        put back the closed channels' messages whose tasks ended without an ack; returns the tags still held by
+        running tasks, for renewal.  A broker error leaves the rest for the next call."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, {}
+            closed = list(self._closed)
+        try:
+            while deferred:
+                tag, how = next(iter(deferred.items()))
+                live.settle(tag, how, client)
+                del deferred[tag]
+        finally:
+            with self._lock:
+                self._deferred.update(deferred)
+        running, held = running_tags(), []
+        for qos in closed:
+            qos._flush()  # acknowledged tags out of ``_delivered``
+            for tag in list(qos._delivered):
+                if tag in running:
+                    held.append(tag)
+                else:
+                    live.settle(tag, "restore", client)
+                    qos._delivered.pop(tag, None)
+            if not qos._delivered:
+                with self._lock:
+                    self._closed.discard(qos)
+        return held
+
+
+HANDOVER = Handover()
+
+
 class LeaseQoS(kombu_redis.QoS):
-    """kombu's ack emulation with leases on Redis's clock (see the module's docstring)."""
+    """kombu's ack emulation with leases on Redis's clock, and the handover (see the module's docstring)."""
+
+    def ack(self, delivery_tag):
+        self._settle_or_defer(delivery_tag, "ack")
+
+    def reject(self, delivery_tag, requeue=False):
+        self._settle_or_defer(delivery_tag, "requeue" if requeue else "ack")
+
+    def settle(self, tag: str, how: str, client) -> None:
+        """Through ``client``: ``ack`` drops the message ``tag`` from ``unacked``; ``requeue`` puts it back at the
+        head of its queue, ``restore`` at its tail (this QoS's channel finds the queue: it must be live)."""
+        if how == "ack":
+            self._remove_from_indices(tag, client.pipeline()).execute()
+        else:
+            self.restore_by_tag(tag, client=client, leftmost=how == "requeue")
+
+    def _settle_or_defer(self, tag: str, how: str) -> None:
+        if self.channel.closed and tag in self._delivered:  # handed over: the next live renewal settles it
+            HANDOVER.defer(tag, how)
+        else:
+            try:
+                with self.channel.conn_or_acquire() as client:
+                    self.settle(tag, how, client)
+            except self.channel.connection_errors as e:
+                log.warning("message %s: %s deferred until the broker answers (%s)", tag, how, e)
+                HANDOVER.defer(tag, how)
+        virtual.QoS.ack(self, tag)  # no longer this channel's
+
+    def restore_unacked(self, client=None):
+        """The channel closes: its messages go back on their queues, but those of tasks this process still runs
+        are handed over (see the module's docstring), and with the broker unreachable the rest are deferred."""
+        running, reachable = running_tags(), True
+        for tag in list(self._delivered):
+            if tag in running:
+                continue
+            if reachable:
+                try:
+                    with self.channel.conn_or_acquire(client) as c:
+                        self.settle(tag, "restore", c)
+                except self.channel.connection_errors as e:
+                    log.warning("the broker is unreachable: messages not running here are put back later (%s)", e)
+                    reachable = False
+            if not reachable:
+                HANDOVER.defer(tag, "restore")
+            self._delivered.pop(tag, None)
+        if self._delivered:
+            log.info("%d messages of running tasks handed over to the next connection", len(self._delivered))
+            HANDOVER.hold(self)
 
     def append(self, message, delivery_tag):
         delivery = message.delivery_info
@@ -279,10 +408,11 @@ class Channel(kombu_redis.Channel):
             pipe.eval(_RELEASE, 2, names.slot(slot), names.fair_index, slot, names.job(""), names.fair_message(""))
 
     def renew_leases(self) -> int:
-        """Mark every message this channel holds as taken now (Redis time); returns how many.  Also stamps the
-        lease clock when it holds none, so the broker's being reachable is recorded."""
-        tags = list(self.qos._delivered)
+        """Mark every message this channel holds, and every message handed over to it, as taken now (Redis
+        time); returns how many.  Does what the handover waits for first.  Also stamps the lease clock when it
+        holds none, so the broker's being reachable is recorded."""
         with self.conn_or_acquire() as client:
+            tags = list(self.qos._delivered) + HANDOVER.take_over(self.qos, client)
             return int(self.lease_call(client, _RENEW, tags))
 
 

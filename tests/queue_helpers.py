@@ -39,7 +39,9 @@ class DoneCounter:
         self.prefix = names.done_channel("")
         self.pubsub = r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.psubscribe(**{names.done_channel("*"): self._on})
-        self.thread = self.pubsub.run_in_thread(sleep_time=0.05, daemon=True)
+        # A broker error (a test's broker crash) is waited out: the next read reconnects and subscribes again.
+        self.thread = self.pubsub.run_in_thread(sleep_time=0.05, daemon=True,
+                                                exception_handler=lambda e, pubsub, thread: time.sleep(0.2))
 
     def _on(self, message) -> None:
         self.counts[message["channel"][len(self.prefix):]] += 1

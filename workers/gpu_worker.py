@@ -69,7 +69,7 @@ from pagedq.config.names import (
 )
 from pagedq.fleet.placement import PlacementPolicy
 from pagedq.store import control
-from pagedq.store.connection import broker_url, redis_client
+from pagedq.store.connection import broker_url, redis_client, through_outage
 from pagedq.store.dispatch import FairDispatch, Skip
 from pagedq.store.jobs import JobStore
 from pagedq.store.registry import gpu_workers_serving, register_model
@@ -97,7 +97,8 @@ def register_generate(app: Celery, service: EngineService, store: JobStore, name
         job = parse_generate(payload, self.request.id)
         handle, weights = start(job, self.request, service, store, names)
         handle.done.wait()
-        return conclude(self.app, handle, store, names, weights if service.engine.fingerprint == weights else "")
+        fingerprint = weights if service.engine.fingerprint == weights else ""
+        return through_outage(lambda: conclude(self.app, handle, store, names, fingerprint), f"job {job.job_id}")
 
     return generate
 
@@ -394,8 +395,9 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             d.fair.release(slot)
             raise Reject("worker shutting down", requeue=True)
         generated = handle.generated_tokens
+        fingerprint = weights if service.engine.fingerprint == weights else ""
         try:
-            summary = conclude(task.app, handle, store, names, weights if service.engine.fingerprint == weights else "")
+            summary = through_outage(lambda: conclude(task.app, handle, store, names, fingerprint), f"job {job.job_id}")
         finally:
             end_bound(job, slot, generated)
         return {**summary, "slot": slot}

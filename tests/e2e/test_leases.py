@@ -311,3 +311,24 @@ def test_a_hand_back_takes_back_only_an_attempt_its_admit_counted(redis):
     redis.hset(names.worker(holder), "role", "gpu")  # a record without a TTL (no heartbeat) proves nothing
     redis.eval(transport._REQUEUE_JOB, 1, names.job(job))
     assert store.admit(job, worker=taker) == "ok" and store.get(job)["attempts"] == "3"
+
+
+
+def test_running_jobs_keep_their_messages_across_a_broker_crash(deployment, broker):
+    """kill -9 of the broker while four jobs run, restarted on its port (its append-only file) 2.5 s later: each
+    worker's consumer closes its channel and connects again, its tasks running on.  kombu's close put the running
+    jobs' messages back on their queue, or with the broker down left them to expire a lease after it came back:
+    either way each ran again.  The handover keeps them with the tasks that run them, renewed by the new channel
+    for longer than a lease, and acknowledged through it."""
+    stack, client, rate = deployment
+    names = Names.from_settings(client.settings)
+
+    def crash_and_restart() -> None:
+        broker.proc.send_signal(signal.SIGKILL)
+        broker.proc.wait()
+        time.sleep(2.5)
+        broker.start()
+
+    jobs, counts = run_long_jobs(client, rate, seconds=4 * LEASE, during=crash_and_restart)
+    assert_ran_once(client, jobs, counts)
+    wait_until(lambda: client.r.hlen(names.unacked) == 0, 10, what="every message acknowledged")
