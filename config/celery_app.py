@@ -125,6 +125,9 @@ def celery_config(settings: Settings, url: str) -> dict:
         event_serializer="json",
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        # Running tasks go on through a lost broker connection (their messages are handed over to the next
+        # one: store/transport.py); Celery 5's default, said explicitly (6.0 plans to cancel them).
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_prefetch_multiplier=1,
         task_ignore_result=True,  # results live in pagedq's own keys, written atomically
         task_default_queue=names.default_queue,
