@@ -71,9 +71,13 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from pagedq.workers.cpu_budget import set_omp_spin_count
+
+    settings = _settings(args)
+    set_omp_spin_count(settings.omp_spin_count)  # before torch loads libgomp
     from pagedq.workers.gpu_worker import run_worker
 
-    return _run_worker_process(lambda: run_worker(_settings(args), args.model, args.hostname, args.loglevel))
+    return _run_worker_process(lambda: run_worker(settings, args.model, args.hostname, args.loglevel))
 
 
 def cmd_cpu_worker(args: argparse.Namespace) -> int:
@@ -146,6 +150,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    from pagedq.workers.cpu_budget import set_omp_spin_count
+
+    set_omp_spin_count(_settings(args).omp_spin_count)  # stages a worker spawns inherit its GOMP_SPINCOUNT
     from pagedq.workers.parallel.stage import serve_stage
 
     return _run_worker_process(lambda: serve_stage(args.rank, args.stages, args.tensor_parallel, args.master,

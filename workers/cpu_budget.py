@@ -25,8 +25,27 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
+
+
+def set_omp_spin_count(count: int) -> bool:
+    """Set ``GOMP_SPINCOUNT`` for this process's OpenMP threads (``Settings.omp_spin_count``); returns whether it
+    did.  Call it before torch is imported: libgomp reads the variable once, as it loads (raises otherwise).
+
+    Why: between two operators the engine's other OpenMP threads spin, waiting for the next one.  A GPU worker
+    on a CPU shares its cores with the CPU worker, Redis and its own Celery threads; each time one of those
+    takes a core mid-operator, the thread left running spins at the barrier, and with libgomp's default
+    (300,000 spins: milliseconds) that burns CPU the others needed.  A few hundred microseconds keeps the
+    spin across an operator's gap (decode's many small ones) and sleeps through a preemption.  A
+    ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` the user set wins."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return False
+    if "torch" in sys.modules:
+        raise RuntimeError("set_omp_spin_count: torch is imported already (libgomp has read its settings)")
+    os.environ["GOMP_SPINCOUNT"] = str(count)
+    return True
 
 
 def cores_allowed() -> int:

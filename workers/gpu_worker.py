@@ -624,7 +624,8 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
                      dispatch.bound).start()
     signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
     queue = names.generate_queue(engine.model_name)
-    log.info("serving %s on queue %s as %s", engine.model_name, queue, hostname)
+    log.info("serving %s on queue %s as %s (%d thread(s), GOMP_SPINCOUNT %s)", engine.model_name, queue, hostname,
+             torch.get_num_threads(), os.environ.get("GOMP_SPINCOUNT", "unset"))
     code: int | str | None = 0
     try:
         run_celery_worker(app, r, names.worker(hostname), {"role": "gpu", "model": engine.model_name},
