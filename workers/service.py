@@ -147,6 +147,7 @@ class EngineService:
         self._weights_read_at = -WEIGHTS_REFRESH_S
         self.step_hold_s = step_hold_s  # the quiet gap that ends a hold (``_hold_for_more``); 0: no hold
         self._last_arrival = 0.0  # monotonic time of the last submit
+        self._arrival_gap = float("inf")  # seconds between the last two submits
         self._arrived_tokens = 0  # prompt tokens submitted since the last step began (still in the engine's inbox)
         self._last_prefill_s: float | None = None  # wall time of the last step with nothing to decode
 
@@ -203,9 +204,14 @@ class EngineService:
                     del self.choices[cid]
                 raise
             self._arrived_tokens += len(job.prompt_token_ids) * handle.seats
-        self._last_arrival = time.monotonic()
-        self._wake.set()
+        self._note_arrival()
         return handle
+
+    def _note_arrival(self) -> None:
+        """For the step hold: when the last job came and how long after the one before; wake the stepper."""
+        now = time.monotonic()
+        self._arrival_gap, self._last_arrival = now - self._last_arrival, now
+        self._wake.set()
 
     def _read_weights(self) -> None:
         """The tenants' weights (``names.tenant_weights``, written by producers) for the engine's fair order;
@@ -374,17 +380,18 @@ class EngineService:
 
     def _hold_for_more(self) -> bool:
         """Before a step with nothing to decode, wait for more jobs while fewer prompt tokens wait than a step
-        takes and jobs keep arriving (the last within ``step_hold_s``), for at most half the last such step's
-        time.  Returns whether the step has nothing to decode.
+        takes and jobs keep arriving (each within ``step_hold_s`` of the one before), for at most half the last
+        such step's time.  Returns whether the step has nothing to decode.
 
         Why: a backlog of short jobs reaches the engine as fast as the CPU worker (niced, sharing the cores)
         tokenizes them; stepping on each trickle gives many small steps, each paying a step's fixed cost, and
-        leaves the tokenizer less CPU still.  A step with sequences decoding never waits, and a lone job waits
-        at most ``step_hold_s``."""
+        leaves the tokenizer less CPU still.  A step with sequences decoding never waits, nor does a lone job
+        (the one before it came more than ``step_hold_s`` earlier): one client waiting for each answer before
+        sending the next would otherwise pay the hold on every job."""
         sched = self.engine.engine.scheduler
         if sched.running:
             return False
-        if self.step_hold_s <= 0 or self._last_prefill_s is None:
+        if self.step_hold_s <= 0 or self._last_prefill_s is None or self._arrival_gap > self.step_hold_s:
             return True
         deadline = time.monotonic() + self._last_prefill_s / 2
         while sched.waiting_prompt_tokens() + self._arrived_tokens < sched.max_num_batched_tokens \

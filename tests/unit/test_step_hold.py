@@ -1,6 +1,6 @@
 """The GPU worker's step hold (``EngineService._hold_for_more``) over the real engine core, no model: before a
 step with nothing to decode it waits for more jobs while they keep arriving and the step is not full, never
-while sequences decode, and never past half the last such step's time."""
+while sequences decode, never for a lone job, and never past half the last such step's time."""
 
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ def add(svc: EngineService, engine: LLMEngine, rid: str, n_tokens: int, max_toke
     engine.add_request(rid, [random.randint(2, 999) for _ in range(n_tokens)],
                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     svc._arrived_tokens += n_tokens
-    svc._last_arrival = time.monotonic()
-    svc._wake.set()
+    svc._note_arrival()
 
 
 def timed_hold(svc: EngineService) -> tuple[bool, float]:
@@ -46,6 +45,7 @@ def timed_hold(svc: EngineService) -> tuple[bool, float]:
 def test_a_trickle_of_jobs_is_held_for_until_half_the_last_prefill_steps_time():
     svc, engine = service(hold_s=0.2, last_prefill_s=0.8)
     add(svc, engine, "first", 5)
+    add(svc, engine, "second", 5)  # a stream under way: the second came within the gap of the first
     stop = threading.Event()
 
     def trickle() -> None:  # a job every 20 ms, each far under the budget
@@ -65,11 +65,19 @@ def test_a_trickle_of_jobs_is_held_for_until_half_the_last_prefill_steps_time():
     assert 0.35 <= held < 0.8, f"held {held:.3f} s: the cap is half the last prefill step (0.4 s)"
 
 
-def test_a_lone_job_waits_only_the_quiet_gap_and_a_full_step_not_at_all():
+def test_a_lone_job_is_not_held_a_second_close_behind_waits_the_quiet_gap_a_full_step_not_at_all():
     svc, engine = service(hold_s=0.1, last_prefill_s=10.0)
-    add(svc, engine, "lone", 5)
+    add(svc, engine, "lone", 5)  # the first job in a while (one client waiting for each answer)
     prefill_only, held = timed_hold(svc)
-    assert prefill_only and 0.08 <= held < 0.5, f"held {held:.3f} s for one job (quiet gap 0.1 s)"
+    assert prefill_only and held < 0.05, f"held {held:.3f} s for a lone job"
+    engine.step()
+    time.sleep(0.15)  # longer than the gap: the next job is lone again
+    add(svc, engine, "later", 5)
+    prefill_only, held = timed_hold(svc)
+    assert prefill_only and held < 0.05, f"held {held:.3f} s for a job 0.15 s after the last (gap 0.1 s)"
+    add(svc, engine, "close behind", 5)  # within the gap of "later": jobs keep coming, so wait for more
+    prefill_only, held = timed_hold(svc)
+    assert prefill_only and 0.08 <= held < 0.5, f"held {held:.3f} s for a second job (quiet gap 0.1 s)"
     add(svc, engine, "big", BUDGET)  # a full step's worth waits: step at once
     _, held = timed_hold(svc)
     assert held < 0.05, f"held {held:.3f} s with a full step waiting"
