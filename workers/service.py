@@ -149,6 +149,8 @@ class EngineService:
         self._last_arrival = 0.0  # monotonic time of the last submit
         self._arrival_gap = float("inf")  # seconds between the last two submits
         self._arrived_tokens = 0  # prompt tokens submitted since the last step began (still in the engine's inbox)
+        self._arrived_jobs = 0  # jobs submitted since the last step began
+        self._last_prefill_jobs = 0  # jobs the last step with nothing to decode took in
         self._last_prefill_s: float | None = None  # wall time of the last step with nothing to decode
 
     # --- called from task / control threads --------------------------------
@@ -203,12 +205,14 @@ class EngineService:
                 for cid in handle.others:
                     del self.choices[cid]
                 raise
-            self._arrived_tokens += len(job.prompt_token_ids) * handle.seats
-        self._note_arrival()
+            self._note_arrival(len(job.prompt_token_ids) * handle.seats)
         return handle
 
-    def _note_arrival(self) -> None:
-        """For the step hold: when the last job came and how long after the one before; wake the stepper."""
+    def _note_arrival(self, prompt_tokens: int) -> None:
+        """For the step hold: what arrived since the last step began, when the last job came and how long
+        after the one before; wake the stepper."""
+        self._arrived_tokens += prompt_tokens
+        self._arrived_jobs += 1
         now = time.monotonic()
         self._arrival_gap, self._last_arrival = now - self._last_arrival, now
         self._wake.set()
@@ -356,7 +360,7 @@ class EngineService:
                 log.info("computing with %d thread(s): other processes use the rest", n)
                 torch.set_num_threads(n)
             prefill_only = self._hold_for_more()
-            self._arrived_tokens = 0  # the step takes the engine's inbox in
+            self._begin_step(prefill_only)
             stats = self.engine.engine.stats
             started, before = time.monotonic(), (stats.prompt_tokens_computed, stats.generated_tokens)
             try:
@@ -378,6 +382,13 @@ class EngineService:
             self._log_slow_step(time.monotonic() - started, before)
             self._dispatch(outputs)
 
+    def _begin_step(self, prefill_only: bool) -> None:
+        """The step about to run takes the engine's inbox in: note how many jobs a step with nothing to decode
+        took (the step hold's sign of a backlog), and count arrivals afresh."""
+        if prefill_only:
+            self._last_prefill_jobs = self._arrived_jobs
+        self._arrived_tokens = self._arrived_jobs = 0
+
     def _hold_for_more(self) -> bool:
         """Before a step with nothing to decode, wait for more jobs while fewer prompt tokens wait than a step
         takes and jobs keep arriving (each within ``step_hold_s`` of the one before), for at most half the last
@@ -385,13 +396,16 @@ class EngineService:
 
         Why: a backlog of short jobs reaches the engine as fast as the CPU worker (niced, sharing the cores)
         tokenizes them; stepping on each trickle gives many small steps, each paying a step's fixed cost, and
-        leaves the tokenizer less CPU still.  A step with sequences decoding never waits, nor does a lone job
-        (the one before it came more than ``step_hold_s`` earlier): one client waiting for each answer before
-        sending the next would otherwise pay the hold on every job."""
+        leaves the tokenizer less CPU still.  A step with sequences decoding never waits, nor does a lone job:
+        one that came more than ``step_hold_s`` after the one before, when the last such step took in one job
+        or none (one client waiting for each answer before sending the next would otherwise pay the hold on
+        every job; in a backlog the CPU worker may be held off the cores that long, and its steps take in many)."""
         sched = self.engine.engine.scheduler
         if sched.running:
             return False
-        if self.step_hold_s <= 0 or self._last_prefill_s is None or self._arrival_gap > self.step_hold_s:
+        if self.step_hold_s <= 0 or self._last_prefill_s is None:
+            return True
+        if self._arrival_gap > self.step_hold_s and self._last_prefill_jobs <= 1:
             return True
         deadline = time.monotonic() + self._last_prefill_s / 2
         while sched.waiting_prompt_tokens() + self._arrived_tokens < sched.max_num_batched_tokens \
