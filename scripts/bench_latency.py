@@ -12,7 +12,9 @@ producer's clock (one host, one clock):
                                 the terminal write (``finish``)
     completed -> result seen    the done notification reaching the producer (``Client.result``)
 
-Printed: p50 and p90 of each part and of the whole, with fair dispatch off and on (``--fair``).
+Printed: p50 and p90 of each part and of the whole, with fair dispatch off and on (``--fair``), and beside
+them the engine alone: ``LLM.generate`` in this process on prompts of the same shape, one at a time (what
+``admitted -> generated`` would be with no queue around the engine).
 
     python scripts/bench_latency.py                  # 50 one-token jobs, fair dispatch off and on
     python scripts/bench_latency.py --max-tokens 16 --fair on
@@ -43,6 +45,34 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def messages(i: int) -> list[dict]:
+    """Job ``i``'s chat: distinct, of one shape (about 40 prompt tokens with SmolLM2's template)."""
+    return [{"role": "user", "content": f"{i}: {' '.join(random.choice(WORDS) for _ in range(8))}"}]
+
+
+def engine_alone(jobs: int, max_tokens: int) -> list[float]:
+    """Seconds per ``LLM.generate`` call of one chat prompt, tokenized as the CPU worker does it."""
+    from pagedq.config.sampling_params import SamplingParams
+    from pagedq.workers.llm import LLM
+
+    llm = LLM(Settings())
+    tok = llm.tokenizer
+
+    def ids(i: int) -> list[int]:
+        text = tok.apply_chat_template(messages(i), tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    llm.generate([ids(-1)], params)  # warm up
+    took = []
+    for i in range(jobs):
+        prompt = ids(i)
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        took.append(time.perf_counter() - start)
+    return took
+
+
 def run(fair: bool, jobs: int, max_tokens: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="pagedq-bench-latency-") as scratch:
         settings = Settings()
@@ -55,10 +85,9 @@ def run(fair: bool, jobs: int, max_tokens: int) -> dict[str, list[float]]:
             parts: dict[str, list[float]] = {name: [] for name, _, _ in PARTS}
             parts["whole"] = []
             for i in range(jobs):
-                words = " ".join(random.choice(WORDS) for _ in range(8))
+                chat = messages(i)
                 sent = time.time()
-                job = client.submit([{"role": "user", "content": f"{i}: {words}"}], max_tokens=max_tokens,
-                                    temperature=0)
+                job = client.submit(chat, max_tokens=max_tokens, temperature=0)
                 client.result(job, timeout=300)
                 seen = time.time()
                 rec = client.r.hgetall(client.names.job(job))
@@ -86,6 +115,9 @@ def main() -> None:
         cells = [f"{pct(results[f][name], 0.5) * 1e3:.1f} / {pct(results[f][name], 0.9) * 1e3:.1f}"
                  for f in settings]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    alone = engine_alone(args.jobs, args.max_tokens)
+    print(f"\nthe engine alone (LLM.generate in this process, one at a time): p50 {pct(alone, 0.5) * 1e3:.1f} / "
+          f"p90 {pct(alone, 0.9) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":
