@@ -51,22 +51,21 @@ def messages(i: int) -> list[dict]:
 
 
 def engine_alone(jobs: int, max_tokens: int) -> list[float]:
-    """Seconds per ``LLM.generate`` call of one chat prompt, tokenized as the CPU worker does it."""
-    from pagedq.config.sampling_params import SamplingParams
+    """Seconds per ``LLM.generate`` call of one chat prompt, rendered by the CPU worker's own ``render_prompt``."""
+    from pagedq.pipeline.preprocess import render_prompt
+    from pagedq.pipeline.protocol import CHAT_URL, parse_request, to_sampling_params
     from pagedq.workers.llm import LLM
 
     llm = LLM(Settings())
-    tok = llm.tokenizer
 
-    def ids(i: int) -> list[int]:
-        text = tok.apply_chat_template(messages(i), tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
+    def request(i: int):
+        return parse_request(CHAT_URL, {"messages": messages(i), "max_tokens": max_tokens, "temperature": 0})
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    llm.generate([ids(-1)], params)  # warm up
+    params = to_sampling_params(request(-1))
+    llm.generate([render_prompt(llm.tokenizer, request(-1))], params)  # warm up
     took = []
     for i in range(jobs):
-        prompt = ids(i)
+        prompt = render_prompt(llm.tokenizer, request(i))
         start = time.perf_counter()
         llm.generate([prompt], params)
         took.append(time.perf_counter() - start)
