@@ -151,15 +151,18 @@ return 0
 # ARGV: state, now, ttl, result JSON or '', error JSON or '', done channel, job id, the delta stream's TTL,
 # 'defer' or '' ('defer': publish nothing, return {1, the batch's done channel if it completed, else ''}, for the
 # caller to publish once replicas confirmed the end), the fence: the epoch the caller took the job at, or ''.
-# Fenced, and the job was taken since (another epoch): returns {-1, the job's epoch} having written nothing.
+# Fenced, and the job was taken since (another epoch): returns {-1, the job's epoch} having written nothing,
+# whether or not the new holder ended it already (the stale holder's write is refused either way).  Otherwise 0
+# if the job had ended (a repeated finish of the same take, or a cancel's).
 # A batch's job keeps its record and result (no TTL) until the batch is finalized: the finalizer gives them
 # their TTL once the batch's output is written (pipeline/gateway/batches.py), so no line is lost to a batch
 # that outlives result_ttl_s or is read late.
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'state')
-if not st or st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
+if not st then return 0 end
 local epoch = redis.call('HGET', KEYS[1], 'epoch') or '0'
 if ARGV[10] ~= '' and tonumber(epoch) ~= tonumber(ARGV[10]) then return {-1, epoch} end
+if st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
 local state, now, ttl = ARGV[1], ARGV[2], ARGV[3]
 local defer, batch_channel = ARGV[9] == 'defer', ''
 redis.call('ZREM', KEYS[5], ARGV[7])

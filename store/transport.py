@@ -31,6 +31,11 @@ would otherwise restore everyone's messages).  Invariants:
   broker came back (``resumed``), and nothing is restored until a full lease has
   passed since then, long enough for every live worker to renew first.
 - A consumer renews its own leases before it looks for expired ones.
+- A message goes back on its queue under a new delivery tag.  kombu keeps the
+  old one, so a worker that froze past its lease and then woke would ack (or
+  renew) the tag of the copy another worker now runs: its ack would delete
+  that copy from ``unacked`` while it runs, and the lost-job sweep, finding
+  the job's message nowhere, would send it a second time.
 
 Handover: a connection lost (a broker crash, a Sentinel failover) closes the
 channel its messages were taken on, while their tasks keep running.  kombu
@@ -397,6 +402,7 @@ class Channel(kombu_redis.Channel):
         return client.eval(script, len(keys), *keys, lease, lease / 2, *args)
 
     def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
+        payload["properties"]["delivery_tag"] = self._next_delivery_tag()  # the old tag is its last holder's
         super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
         names = Names(key_prefix=self.global_keyprefix or "")
         job_id = job_id_of(payload, (GENERATE_TASK,))

@@ -157,6 +157,31 @@ def test_a_renewal_between_selection_and_restore_keeps_the_message(pair, broker)
     assert pair.held() == (0, pair.n), "a lease that ran out by Redis's clock is restored"
 
 
+def test_a_holder_that_wakes_after_its_messages_were_restored_cannot_ack_the_copies_another_consumer_runs(
+        pair, broker):
+    """A restored message comes back under a new delivery tag: the old holder (a worker frozen past its lease)
+    acking or renewing its old tags touches nothing another consumer holds.  With kombu's one tag for every
+    delivery, its ack deleted the running copies from ``unacked`` and the lost-job sweep sent their jobs again."""
+    lively = Renewer(pair.other, broker.url)
+    time.sleep(UNIT_LEASE * 1.3)  # the holder is frozen: its leases run out
+    pair.other.restore_pass()
+    assert pair.held() == (0, pair.n)
+    pair.other.take(pair.n)  # the other consumer runs them now
+    old = {m.delivery_tag for m in pair.holder.taken}
+    new = {m.delivery_tag for m in pair.other.taken}
+    assert len(new) == pair.n and not old & new, "every restored copy has a tag of its own"
+    assert set(pair.r.hkeys(f"{pair.prefix}unacked")) == {t.encode() for t in new}
+    pair.holder.channel.renew_leases()  # the holder wakes: renews, then acks what it thinks it holds
+    for message in pair.holder.taken:
+        message.ack()
+    lively.stop()
+    assert pair.held() == (pair.n, 0), "the copies the other consumer runs are still held, as leases"
+    assert set(pair.r.hkeys(f"{pair.prefix}unacked")) == {t.encode() for t in new}
+    for message in pair.other.taken:
+        message.ack()
+    assert pair.held() == (0, 0)
+
+
 def test_after_a_broker_pause_longer_than_the_lease_live_holders_renew_first(pair, broker):
     renewer = Renewer(pair.holder, broker.url)
     time.sleep(UNIT_LEASE / 2)

@@ -108,6 +108,25 @@ def test_a_stale_holders_finish_writes_nothing_publishes_nothing_and_is_logged(r
     assert published(done) == ["completed"]
 
 
+def test_a_stale_holders_finish_after_the_new_holder_ended_the_job_is_refused_and_counted(redis, names, store,
+                                                                                          done):
+    """The woken worker often finishes late, after the worker its job was taken by: still a refused write.  A
+    finish repeated by the holder that ended the job (a retry after a broker error) is no fencing."""
+    create(store)
+    stale = store.admit("j", worker="A")
+    taken = store.admit("j", worker="B")
+    assert store.finish("j", JobState.COMPLETED, result={"answer": "B's"}, fence=taken.epoch) is True
+    assert published(done) == ["completed"]
+    before = everything(redis, names)
+    assert store.finish("j", JobState.COMPLETED, result={"answer": "A's"}, fence=stale.epoch) is False
+    assert redis.hgetall(names.fenced) == {"finish": "1"}
+    assert store.finish("j", JobState.COMPLETED, result={"answer": "B's"}, fence=taken.epoch) is False
+    assert store.finish("j", JobState.CANCELLED) is False
+    assert redis.hgetall(names.fenced) == {"finish": "1"}, "only the stale holder's write counts"
+    assert everything(redis, names) == before and published(done) == []
+    assert store.result("j") == {"answer": "B's"}
+
+
 def test_a_stale_holders_finish_does_not_count_into_its_batch(redis, names, store):
     batch = names.batch("b")
     fields = {**record(), "batch_key": batch, "batch_id": "b"}
