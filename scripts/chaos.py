@@ -321,13 +321,17 @@ def gpu_freeze(jobs: int = 12, tokens: int = 160) -> Row:
         holders = Counter(d.status(j).worker for j in d.running(ids))
         victim = next(c for c in d.stack.children if c.hostname == holders.most_common(1)[0][0])
         frozen_jobs = [j for j in d.running(ids) if d.status(j).worker == victim.hostname]
+        # Halfway through: woken, it finishes before the other worker's restarted copies do, and acks its
+        # messages while that worker still runs them (the ack must not touch theirs: no job is sent again).
+        d.wait_for(lambda: all(d.status(j).done or (d.status(j).completion_tokens or 0) >= tokens // 2
+                               for j in frozen_jobs), DEADLINE_S)
         os.killpg(victim.proc.pid, signal.SIGSTOP)
+        frozen_jobs = [j for j in ids if (s := d.status(j)).state == "in_progress" and s.worker == victim.hostname]
         frozen = time.monotonic()
         try:
             d.wait_for(lambda: all(d.status(j).done or d.status(j).worker not in (None, victim.hostname)
                                    for j in frozen_jobs), DEADLINE_S)
-            row.recover_s = time.monotonic() - frozen
-            time.sleep(2)  # its jobs advance on the other worker before it wakes
+            row.recover_s = time.monotonic() - frozen  # it wakes while the other worker runs its jobs' copies
         finally:
             os.killpg(victim.proc.pid, signal.SIGCONT)
         names = d.client.names
@@ -343,6 +347,7 @@ def gpu_freeze(jobs: int = 12, tokens: int = 160) -> Row:
         out.notes.append(f"{len(frozen_jobs)} running on it at the SIGSTOP; recover = until all of them ran on "
                          f"the other worker (lease {d.settings.worker_ttl_s} s); writes refused after the SIGCONT: "
                          f"{fenced() or 'none'}; it {'exited' if victim.proc.poll() is not None else 'lives on'}")
+        out.notes.append(f"{resent(d, ids)} sent again by the lost-job sweep")
         return out
 
 
