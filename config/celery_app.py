@@ -212,13 +212,14 @@ class DispatchToken:
 
 
 def send_dispatch_token(app: Celery, model: str, priority: int, slot: str | None = None,
-                        queue: str | None = None) -> DispatchToken:
+                        queue: str | None = None, event_dispatcher=None) -> DispatchToken:
     """Send one token for a job of ``model`` pushed into its fair queue: the preprocess's send, the lost-job
     sweep's top-up, and a worker with no free seat handing an unbound token on (with a fresh slot: a kill between
     that send and the old token's ack must not leave two tokens sharing one slot).  ``queue``: instead of the
-    model's queue (placement's nudge to one worker, ``Names.worker_queue``)."""
+    model's queue (placement's nudge to one worker, ``Names.worker_queue``).  ``event_dispatcher``: where its
+    ``task-sent`` event goes (a worker's buffer: ``workers.celery_worker.sent_events``)."""
     token = DispatchToken(model, slot or uuid.uuid4().hex, priority)
     app.send_task(DISPATCH_TASK, args=[{"model": model, "slot": token.slot, "priority": priority}],
                   priority=broker_priority(priority), argsrepr=token.describe(), kwargsrepr="{}",
-                  **({"queue": queue} if queue else {}))
+                  event_dispatcher=event_dispatcher, **({"queue": queue} if queue else {}))
     return token

@@ -63,7 +63,7 @@ from pagedq.store.jobs import JobStore
 from pagedq.store.lost_jobs import LostJobSweep
 from pagedq.store.registry import ModelInfo, lookup_model
 from pagedq.store.result_cache import ResultCache
-from pagedq.workers.celery_worker import run_celery_worker
+from pagedq.workers.celery_worker import run_celery_worker, sent_events
 from pagedq.workers.engine.block_hash import cache_key, prefix_hashes
 from pagedq.workers.metrics import task_metrics
 from pagedq.workers.processes import worker_hostname
@@ -191,10 +191,10 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
         if fair is not None:  # the job waits in its model's fair queue; a token runs the next one in line
             # before the token, and before this message is acknowledged: never a token too few
             fair.push(job, prompt_blocks(job, info) if settings.placement else None)
-            send_dispatch_token(self.app, job.model, job.priority)
+            send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events())
         else:
             self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority),
-                               argsrepr=job.describe(), kwargsrepr="{}")
+                               argsrepr=job.describe(), kwargsrepr="{}", event_dispatcher=sent_events())
         return {"job_id": msg.job_id, "prompt_tokens": len(job.prompt_token_ids)}
 
     @app.task(name=POSTPROCESS_TASK, bind=True, throws=(JobNotCompleted,))

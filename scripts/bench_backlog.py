@@ -125,6 +125,11 @@ class QueueRun:
     redis_peak: int
     latency_s: list[float] = field(default_factory=list)  # completed_at - created_at, per completed job
     code_from: str = ""
+    engine: dict[str, float] = field(default_factory=dict)  # GPU workers' engine counters during the run
+
+    @property
+    def jobs_per_step(self) -> float:
+        return self.jobs / self.engine["steps"] if self.engine.get("steps") else float("nan")
 
     @property
     def jobs_per_s(self) -> float:
@@ -154,6 +159,21 @@ def _snapshot(stack, r) -> dict[str, float]:
             cpu[f"{child.role} worker"] += tree_cpu_s(child.proc.pid)
     cpu["redis-server"] = tree_cpu_s(int(r.info("server")["process_id"]))
     return cpu
+
+
+ENGINE_COUNTERS = ("steps", "prompt_tokens_computed", "prefix_hits")
+
+
+def _engine_counters(r, names) -> dict[str, float]:
+    """The GPU workers' engine counters (their records, published after steps), summed."""
+    from pagedq.store.registry import live_workers
+
+    totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for rec in live_workers(r, names).values():
+        if rec.get("role") == "gpu":
+            for k in ENGINE_COUNTERS:
+                totals[k] += float(rec.get(k, 0) or 0)
+    return totals
 
 
 def _latencies(r, names, job_ids: list[str]) -> tuple[int, list[float]]:
@@ -187,8 +207,9 @@ def run_queue(lines: list[dict], label: str, scratch: Path, timeout: float) -> Q
             Client(settings, stack.url) as client:
         r = redis_client(stack.url, settings=settings)
         client.result(client.submit(prompt="warm-up", max_tokens=1, temperature=0), timeout=300)
-        time.sleep(1)  # let the warm-up's postprocess settle out of the counters
+        time.sleep(3)  # let the warm-up's postprocess settle out of the counters, its stats be published
         used_before = r.info("memory")["used_memory"]
+        engine0 = _engine_counters(r, client.names)
         cmds0, cpu0, start = _commandstats(r), _snapshot(stack, r), time.perf_counter()
         batch = client.submit_batch(lines)
         client.wait_batch(batch, timeout=timeout)
@@ -198,10 +219,13 @@ def run_queue(lines: list[dict], label: str, scratch: Path, timeout: float) -> Q
         job_ids = r.lrange(client.names.batch_jobs(batch), 0, -1)
         job_ids = [j.decode() if isinstance(j, bytes) else j for j in job_ids]
         completed, latency = _latencies(r, client.names, job_ids)
+        time.sleep(3)  # an idle worker publishes its stats every 2 s
+        engine1 = _engine_counters(r, client.names)
     commands = {k: v for k, v in (cmds1 - cmds0).items() if v > 0}
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
     return QueueRun(label, len(lines), completed, seconds, commands, cpu, used_before, peak, latency,
-                    str(Path(pagedq.config.__file__).resolve().parent.parent))
+                    str(Path(pagedq.config.__file__).resolve().parent.parent),
+                    {k: engine1[k] - engine0[k] for k in ENGINE_COUNTERS})
 
 
 # --- another revision ---------------------------------------------------------------------------------------
@@ -324,6 +348,10 @@ def report(runs: list[QueueRun], offline: OfflineRun | None) -> None:
     for kind in KINDS:
         print(f"| CPU ms, {kind} | " + " | ".join(f"{r.cpu_ms_per_job(kind):.2f}" for r in runs) + " |")
     print("| CPU ms, all | " + " | ".join(f"{sum(r.cpu_ms_per_job(k) for k in KINDS):.2f}" for r in runs) + " |")
+    print("| engine steps (jobs per step) | " + " | ".join(
+        f"{r.engine.get('steps', 0):.0f} ({r.jobs_per_step:.1f})" for r in runs) + " |")
+    print("| prompt tokens computed | " + " | ".join(f"{r.engine.get('prompt_tokens_computed', 0):.0f}"
+                                                    for r in runs) + " |")
     print("| latency p50 s (completed_at - created_at) | " + " | ".join(f"{r.latency(0.5):.2f}" for r in runs) + " |")
     print("| latency p99 s | " + " | ".join(f"{r.latency(0.99):.2f}" for r in runs) + " |")
     print("| Redis used_memory before, MiB | " + " | ".join(f"{r.redis_used_before / 2**20:.1f}" for r in runs) + " |")

@@ -73,7 +73,7 @@ from pagedq.store.connection import broker_url, redis_client, through_outage
 from pagedq.store.dispatch import FairDispatch, Skip
 from pagedq.store.jobs import JobStore
 from pagedq.store.registry import gpu_workers_serving, register_model
-from pagedq.workers.celery_worker import run_celery_worker
+from pagedq.workers.celery_worker import run_celery_worker, sent_events
 from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.llm import LLM
 from pagedq.workers.metrics import engine_metrics
@@ -312,7 +312,8 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                 # full worker hands on several a second.  With no other worker serving the model the token
                 # stays and waits again: handing it on would only bring it back here, a message round trip
                 # for nothing.
-                send_dispatch_token(self.app, token.model, token.priority)  # a fresh slot: never two on one
+                # a fresh slot: never two on one
+                send_dispatch_token(self.app, token.model, token.priority, event_dispatcher=sent_events())
                 return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
         d.bound.add(self.request.id, job.job_id)  # Flower learns it from the next progress report
         running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
@@ -451,7 +452,7 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
         fingerprint=fingerprint, tool_parsing=job.tool_parsing, others=[ChoiceOutput.of(o) for o in others],
         epoch=handle.epoch or 0)
     app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority),
-                  argsrepr=completion.describe(), kwargsrepr="{}")
+                  argsrepr=completion.describe(), kwargsrepr="{}", event_dispatcher=sent_events())
     return summary
 
 
