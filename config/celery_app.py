@@ -185,13 +185,28 @@ def bulk_step(priority: int, line: int) -> int:
     return min(broker_priority(priority) + depth, 9)
 
 
-def send_preprocess(app: Celery, msg: PreprocessJob, priority: int, line: int | None = None) -> None:
+class BufferedSentEvents:
+    """``send_task(..., event_dispatcher=BufferedSentEvents(d))``: the ``task-sent`` event goes into the task
+    buffer of the event dispatcher ``d`` (one made with ``buffer_group=["task"]``) and out with the events
+    around it, in one broker message, when ``d`` flushes, instead of a PUBLISH of its own (Celery's way).
+    Flower, like any ``EventReceiver``, unpacks the list."""
+
+    def __init__(self, dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def publish(self, type: str, fields: dict, producer, retry: bool = False, retry_policy=None) -> None:
+        self.dispatcher.send(type, **fields)
+
+
+def send_preprocess(app: Celery, msg: PreprocessJob, priority: int, line: int | None = None,
+                    event_dispatcher=None) -> None:
     """Send a job's preprocess message: the producer's send, and the lost-job sweep's resend.  ``line`` (a batch's
     line number, with fair dispatch): its broker step is ``bulk_step``; the job's band in the fair queue is its
-    priority all the same."""
+    priority all the same.  ``event_dispatcher``: where its ``task-sent`` event goes (``BufferedSentEvents``;
+    None: published at once)."""
     step = broker_priority(priority) if line is None else bulk_step(priority, line)
     app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=step, argsrepr=msg.describe(),
-                  kwargsrepr="{}")
+                  kwargsrepr="{}", event_dispatcher=event_dispatcher)
 
 
 @dataclass(frozen=True)
@@ -217,7 +232,7 @@ def send_dispatch_token(app: Celery, model: str, priority: int, slot: str | None
     sweep's top-up, and a worker with no free seat handing an unbound token on (with a fresh slot: a kill between
     that send and the old token's ack must not leave two tokens sharing one slot).  ``queue``: instead of the
     model's queue (placement's nudge to one worker, ``Names.worker_queue``).  ``event_dispatcher``: where its
-    ``task-sent`` event goes (a worker's buffer: ``workers.celery_worker.sent_events``)."""
+    ``task-sent`` event goes (as for ``send_preprocess``)."""
     token = DispatchToken(model, slot or uuid.uuid4().hex, priority)
     app.send_task(DISPATCH_TASK, args=[{"model": model, "slot": token.slot, "priority": priority}],
                   priority=broker_priority(priority), argsrepr=token.describe(), kwargsrepr="{}",

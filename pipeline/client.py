@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import time
@@ -29,7 +30,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from pagedq.config import Settings, get_settings
-from pagedq.config.celery_app import make_celery, send_preprocess
+from pagedq.config.celery_app import BufferedSentEvents, make_celery, send_preprocess
 from pagedq.config.messages import PreprocessJob, check_context, check_logit_bias, to_json
 from pagedq.config.names import TERMINAL_STATES, JobState, Names
 from pagedq.config.scheduling import SchedulingMeta
@@ -55,9 +56,11 @@ from pagedq.store.jobs import JobStore, now
 from pagedq.store.registry import lookup_model
 from pagedq.store.result_cache import ResultCache, is_deterministic, request_digest
 
+log = logging.getLogger(__name__)
 _TERMINAL = {s.value for s in TERMINAL_STATES}
 T = TypeVar("T")
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9._@-]{1,128}")  # the gateway keys file's tenant names
+SENT_EVENTS_PER_MESSAGE = 200  # a batch's task-sent events go out this many to a broker message
 WEIGHT_REFRESH_S = 60.0  # a producer writes its tenant's weight into Redis at most this often
 
 
@@ -351,9 +354,11 @@ class Client:
             self.r.hset(self.names.tenant_weights, mapping={t: repr(float(w)) for t, w in due.items()})
             self._weights_written.update(dict.fromkeys(due, time.monotonic()))
 
-    def _send(self, msg: PreprocessJob, priority: int, line: int | None = None) -> None:
-        """``line``: a batch line's number (its broker step, with fair dispatch: ``bulk_step``)."""
-        send_preprocess(self.app, msg, priority, line=line if self.settings.fair_share else None)
+    def _send(self, msg: PreprocessJob, priority: int, line: int | None = None, event_dispatcher=None) -> None:
+        """``line``: a batch line's number (its broker step, with fair dispatch: ``bulk_step``);
+        ``event_dispatcher``: where its task-sent event goes (``send_preprocess``)."""
+        send_preprocess(self.app, msg, priority, line=line if self.settings.fair_share else None,
+                        event_dispatcher=event_dispatcher)
 
     @property
     def batch_priority(self) -> int:
@@ -471,22 +476,32 @@ class Client:
                           messages={j: json.dumps(to_json(m)) for j, m in msgs.items()},
                           tenant_share=self.settings.tenant_backlog_share)
         loop = _SendLoop(self.store, job_ids)
-        try:
-            sends = zip(job_ids, items, lookups, strict=True)
-            for line, (job_id, (_, req, _url, err), (_, cached)) in enumerate(sends):
-                if err is not None:
-                    self.store.finish(job_id, JobState.FAILED, error=err.to_dict())
-                elif cached is not None:
-                    self._answer_from_cache(job_id, cached)
-                else:
-                    self._send(msgs[job_id], req.priority, line=line)
-                loop.one_sent()
-        except BaseException as e:  # every job written ends: those not sent fail with the reason
-            error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")
-            for job_id in job_ids[loop.sent:]:
-                self.store.finish(job_id, JobState.FAILED, error=error.to_dict())
-            loop.finish()
-            raise
+        with self.app.connection_for_write() as conn:
+            # The lines' task-sent events (Flower's) go out SENT_EVENTS_PER_MESSAGE to a broker message.
+            events = self.app.events.Dispatcher(conn, enabled=True, buffer_group=["task"],
+                                                buffer_limit=SENT_EVENTS_PER_MESSAGE)
+            sent = BufferedSentEvents(events)
+            try:
+                sends = zip(job_ids, items, lookups, strict=True)
+                for line, (job_id, (_, req, _url, err), (_, cached)) in enumerate(sends):
+                    if err is not None:
+                        self.store.finish(job_id, JobState.FAILED, error=err.to_dict())
+                    elif cached is not None:
+                        self._answer_from_cache(job_id, cached)
+                    else:
+                        self._send(msgs[job_id], req.priority, line=line, event_dispatcher=sent)
+                    loop.one_sent()
+            except BaseException as e:  # every job written ends: those not sent fail with the reason
+                error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")
+                for job_id in job_ids[loop.sent:]:
+                    self.store.finish(job_id, JobState.FAILED, error=error.to_dict())
+                loop.finish()
+                raise
+            finally:
+                try:
+                    events.flush()
+                except Exception as e:  # noqa: BLE001 - events are for watching; the jobs are sent
+                    log.warning("could not send the batch's task-sent events: %s", e)
         loop.finish()
         if not items:
             self.r.hset(bkey, mapping={"state": "completed", "completed_at": now()})

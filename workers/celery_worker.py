@@ -20,6 +20,7 @@ from celery import Celery, signals
 from celery.exceptions import Reject
 from celery.worker.consumer import Consumer
 
+from pagedq.config.celery_app import BufferedSentEvents
 from pagedq.store.registry import Heartbeat
 from pagedq.workers.processes import process_identity
 
@@ -76,20 +77,12 @@ class BatchedEventsConsumer(Consumer):
         super().shutdown()
 
 
-class _BufferedSentEvents:
-    def __init__(self, dispatcher) -> None:
-        self.dispatcher = dispatcher
-
-    def publish(self, type: str, fields: dict, producer, retry: bool = False, retry_policy=None) -> None:
-        self.dispatcher.send(type, **fields)
-
-
-def sent_events() -> _BufferedSentEvents | None:
+def sent_events() -> BufferedSentEvents | None:
     """``send_task(..., event_dispatcher=sent_events())`` in a worker: the ``task-sent`` event joins the worker's
     buffered task events (``BatchedEventsConsumer``) instead of taking a PUBLISH of its own.  None (Celery's own
     way: published at once) before the consumer exists, or with its events off."""
     dispatcher = _consumer.event_dispatcher if _consumer is not None else None
-    return _BufferedSentEvents(dispatcher) if dispatcher is not None and dispatcher.enabled else None
+    return BufferedSentEvents(dispatcher) if dispatcher is not None and dispatcher.enabled else None
 
 
 def run_celery_worker(app: Celery, r: redis.Redis, record_key: str, record: dict, *, queues: list[str],
