@@ -115,8 +115,9 @@ class Settings(BaseSettings):
     step_hold_ms: float = Field(50, ge=0, description="a GPU worker about to run a step with nothing to decode "
                                 "and less than a step's budget of prompt tokens waits while jobs keep arriving "
                                 "(one at most this many ms after the last), up to half its last such step's "
-                                "time: fuller steps for many short jobs; a lone job (the first in this long, "
-                                "after a step of one job) never waits; 0 = step at once")
+                                "time (or twice this): fuller steps for many short jobs; a lone job (the first "
+                                "in this long, after a step of one job, with no more of its model's jobs on "
+                                "their way) never waits; 0 = step at once")
     worker_max_inflight: int = Field(256, ge=1, description="generate tasks one GPU worker holds at once (arrival "
                                      "order; with fair dispatch a worker holds max_num_seqs x 1.5 + 4)")
     result_cache: bool = True

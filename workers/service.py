@@ -53,6 +53,7 @@ CACHE_RESYNC_S = 60.0  # the prefix cache's set in Redis is rewritten whole at l
 SLOW_STEP_S = 2.0  # a step that takes longer is logged (INFO) with what it computed
 MAX_FAILED_STEPS = 3  # engine steps failing in a row (not a request's own failure) before the worker gives up
 WEIGHTS_REFRESH_S = 10.0  # how often the engine's fair order re-reads the tenants' weights
+HOLD_FLOOR_GAPS = 2  # a step hold may always last this many ``step_hold_s`` (``_hold_for_more``)
 
 
 def model_info(engine: LLM, names: Names) -> ModelInfo:
@@ -152,6 +153,7 @@ class EngineService:
         self._arrived_jobs = 0  # jobs submitted since the last step began
         self._last_prefill_jobs = 0  # jobs the last step with nothing to decode took in
         self._last_prefill_s: float | None = None  # wall time of the last step with nothing to decode
+        self._last_model = ""  # the model the last job named (its backlog: ``_more_on_the_way``)
 
     # --- called from task / control threads --------------------------------
     def start(self) -> LLM:
@@ -205,12 +207,13 @@ class EngineService:
                 for cid in handle.others:
                     del self.choices[cid]
                 raise
-            self._note_arrival(len(job.prompt_token_ids) * handle.seats)
+            self._note_arrival(len(job.prompt_token_ids) * handle.seats, job.model)
         return handle
 
-    def _note_arrival(self, prompt_tokens: int) -> None:
-        """For the step hold: what arrived since the last step began, when the last job came and how long
-        after the one before; wake the stepper."""
+    def _note_arrival(self, prompt_tokens: int, model: str) -> None:
+        """For the step hold: what arrived since the last step began, when the last job came, how long after
+        the one before, and of which model; wake the stepper."""
+        self._last_model = model
         self._arrived_tokens += prompt_tokens
         self._arrived_jobs += 1
         now = time.monotonic()
@@ -399,15 +402,19 @@ class EngineService:
         leaves the tokenizer less CPU still.  A step with sequences decoding never waits, nor does a lone job:
         one that came more than ``step_hold_s`` after the one before, when the last such step took in one job
         or none (one client waiting for each answer before sending the next would otherwise pay the hold on
-        every job; in a backlog the CPU worker may be held off the cores that long, and its steps take in many)."""
+        every job; in a backlog the CPU worker may be held off the cores that long, and its steps take in many),
+        unless more of its model's jobs are on their way (the first of a batch submitted at once: stepping on it
+        alone, with the CPU worker tokenizing the rest on the same cores, costs a step many times a lone one's).
+        A hold may last ``HOLD_FLOOR_GAPS`` quiet gaps even when the last such step was quicker than that (one
+        job's, before a batch)."""
         sched = self.engine.engine.scheduler
         if sched.running:
             return False
         if self.step_hold_s <= 0 or self._last_prefill_s is None:
             return True
-        if self._arrival_gap > self.step_hold_s and self._last_prefill_jobs <= 1:
+        if self._arrival_gap > self.step_hold_s and self._last_prefill_jobs <= 1 and not self._more_on_the_way():
             return True
-        deadline = time.monotonic() + self._last_prefill_s / 2
+        deadline = time.monotonic() + max(self._last_prefill_s / 2, HOLD_FLOOR_GAPS * self.step_hold_s)
         while sched.waiting_prompt_tokens() + self._arrived_tokens < sched.max_num_batched_tokens \
                 and self._calls.empty() and not self._stopping.is_set():
             now = time.monotonic()
@@ -417,6 +424,16 @@ class EngineService:
             self._wake.clear()
             self._wake.wait(wait)
         return True
+
+    def _more_on_the_way(self) -> bool:
+        """Whether the backlog of the last job's model (jobs accepted and not ended, ``names.backlog``) holds
+        more jobs than this engine: some are still being tokenized, or queued.  False when Redis does not
+        answer (the job steps at once, as a lone one)."""
+        try:
+            backlog = int(self.r.get(self.names.backlog(self._last_model)) or 0)
+        except (redis.RedisError, ValueError):
+            return False
+        return backlog > len(self.handles)
 
     def _log_slow_step(self, took_s: float, before: tuple[int, int]) -> None:
         """One line per step slower than ``SLOW_STEP_S``: what it computed (``before``: the prompt and generated
