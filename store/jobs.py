@@ -246,6 +246,13 @@ class Admitted(str):
         return cls(verdict, int(epoch or 0))
 
 
+
+def read_backlog(r: redis.Redis, names: Names, model: str, tenant: str | None = None) -> int:
+    """Jobs of ``model`` (of ``tenant``'s, when given) accepted and not yet ended: the counters ``create`` and
+    ``finish`` keep (``names.backlog``, ``names.tenant_backlog``)."""
+    key = names.backlog(model) if tenant is None else names.tenant_backlog(model, tenant)
+    return int(r.get(key) or 0)
+
 class JobStore:
     def __init__(self, client: redis.Redis, names: Names, result_ttl_s: int, max_attempts: int = 3,
                  send_grace_s: float = SEND_GRACE_S, min_replicas_ack: int = 0,
@@ -364,8 +371,7 @@ class JobStore:
 
     def backlog(self, model: str, tenant: str | None = None) -> int:
         """Jobs of ``model`` (of ``tenant``'s, when given) accepted and not yet ended."""
-        key = self.names.backlog(model) if tenant is None else self.names.tenant_backlog(model, tenant)
-        return int(self.r.get(key) or 0)
+        return read_backlog(self.r, self.names, model, tenant)
 
     def get(self, job_id: str) -> dict[str, str]:
         return self.r.hgetall(self.names.job(job_id))

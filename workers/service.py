@@ -37,6 +37,7 @@ from pagedq.config.sampling_params import SamplingParams
 from pagedq.config.scheduling import DEFAULT_TENANT
 from pagedq.fleet.placement import load_tokens
 from pagedq.store.dispatch import SeatsHeld
+from pagedq.store.jobs import read_backlog
 from pagedq.store.registry import ModelInfo, register_model
 from pagedq.workers.cpu_budget import ThreadBudget
 from pagedq.workers.detokenizer import IncrementalDetokenizer
@@ -430,10 +431,9 @@ class EngineService:
         more jobs than this engine: some are still being tokenized, or queued.  False when Redis does not
         answer (the job steps at once, as a lone one)."""
         try:
-            backlog = int(self.r.get(self.names.backlog(self._last_model)) or 0)
+            return read_backlog(self.r, self.names, self._last_model) > len(self.handles)
         except (redis.RedisError, ValueError):
             return False
-        return backlog > len(self.handles)
 
     def _log_slow_step(self, took_s: float, before: tuple[int, int]) -> None:
         """One line per step slower than ``SLOW_STEP_S``: what it computed (``before``: the prompt and generated
