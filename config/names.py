@@ -104,6 +104,13 @@ class Names:
         return f"{self.key_prefix}job-message:{job_id}"
 
     @property
+    def job_flags_epoch(self) -> str:
+        """Counter: moved each time a running job's record gains a flag its GPU worker must act on (``cancelling``,
+        ``stream``), after the flag is written; a GPU worker re-reads its jobs' records only when it moved (the
+        re-check behind a lost control message, ``ProgressReporter.recheck_cancels``)."""
+        return f"{self.key_prefix}job-flags-epoch"
+
+    @property
     def active_jobs(self) -> str:
         """Sorted set: every accepted job not yet ended, scored by the time from which it must have a message
         somewhere (its send confirmed; or its creation + ``send_grace_s`` while its send is pending), see

@@ -421,7 +421,7 @@ class Client:
         key = self.names.stream(job_id)
         if not self.r.exists(self.names.job(job_id)):
             raise JobNotFoundError(job_id)
-        self.r.hset(self.names.job(job_id), "stream", 1)
+        self.store.request_stream(job_id)
         self.control.publish("stream", job_id=job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         sent, last = "", "0-0"

@@ -203,6 +203,7 @@ local st = redis.call('HGET', KEYS[1], 'state')
 if st == 'queued' or st == 'in_progress' then
   redis.call('HSET', KEYS[1], 'state', 'cancelling', 'cancel_requested_at', ARGV[1])
 end
+if st == 'in_progress' then redis.call('INCR', KEYS[2]) end  -- names.job_flags_epoch: its worker re-checks
 return st or 'missing'
 """
 
@@ -440,10 +441,18 @@ class JobStore:
     def request_cancel(self, job_id: str) -> str:
         """Mark a queued or running job 'cancelling'. Returns the state it was in ('missing' if unknown).
         A queued job waiting in a fair queue leaves it (a claim would skip it anyway: ``store/dispatch``)."""
-        previous = self._cancel(keys=[self.names.job(job_id)], args=[now()])
+        previous = self._cancel(keys=[self.names.job(job_id), self.names.job_flags_epoch], args=[now()])
         if previous == JobState.QUEUED:
             FairDispatch(self.r, self.names).remove(job_id)
         return previous
+
+    def request_stream(self, job_id: str) -> None:
+        """Mark the job streamed: its GPU worker publishes text deltas once it hears the control message, or
+        finds the flag when it re-checks (``names.job_flags_epoch`` moves after the flag, in one transaction)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.names.job(job_id), "stream", 1)
+        pipe.incr(self.names.job_flags_epoch)
+        pipe.execute()
 
     def settle(self, job_id: str, verdict: str) -> None:
         """Act on an ``admit`` verdict other than 'ok': a job that cannot proceed ends here."""

@@ -150,7 +150,7 @@ class Gateway:
 
     def request_stream(self, job_id: str) -> None:
         """Ask the job's GPU worker to publish text deltas (for a job submitted without ``stream``)."""
-        self.r.hset(self.names.job(job_id), "stream", 1)
+        self.client.store.request_stream(job_id)
         self.client.control.publish("stream", job_id=job_id)
 
     def cancel_quietly(self, job_id: str) -> None:
