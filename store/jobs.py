@@ -247,12 +247,12 @@ class Admitted(str):
         return cls(verdict, int(epoch or 0))
 
 
-
 def read_backlog(r: redis.Redis, names: Names, model: str, tenant: str | None = None) -> int:
     """Jobs of ``model`` (of ``tenant``'s, when given) accepted and not yet ended: the counters ``create`` and
     ``finish`` keep (``names.backlog``, ``names.tenant_backlog``)."""
     key = names.backlog(model) if tenant is None else names.tenant_backlog(model, tenant)
     return int(r.get(key) or 0)
+
 
 class JobStore:
     def __init__(self, client: redis.Redis, names: Names, result_ttl_s: int, max_attempts: int = 3,
