@@ -92,10 +92,10 @@ class Settings(BaseSettings):
     adaptive_threads: bool = Field(True, description="a GPU worker running its engine on the CPU computes with the "
                                                      "cores other processes leave free (re-planned every 2 s)")
     omp_spin_count: int = Field(
-        300_000, ge=0, description="GOMP_SPINCOUNT of a GPU worker's OpenMP threads (and its stages'): how long an "
-        "idle one spins before it sleeps (libgomp's own default, ~4 ms on an Intel Xeon); fewer spins put it to "
-        "sleep sooner, and waking it costs the engine more than the spin, each time another process took a core "
-        "mid-operator; a GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment wins")
+        50_000, ge=0, description="GOMP_SPINCOUNT of a GPU worker's OpenMP threads (and its stages'): how long an "
+        "idle one spins before it sleeps; libgomp's own default (300,000) burns milliseconds of a shared core each "
+        "time another process takes one mid-operator; a GOMP_SPINCOUNT or "
+        "OMP_WAIT_POLICY in the environment wins")
 
     # --- parallelism (one replica over several processes) --------------------
     pipeline_stages: int = Field(1, ge=1, description="processes, each holding a contiguous range of layers")

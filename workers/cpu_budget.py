@@ -34,12 +34,11 @@ def set_omp_spin_count(count: int) -> bool:
     """Set ``GOMP_SPINCOUNT`` for this process's OpenMP threads (``Settings.omp_spin_count``); returns whether it
     did.  Call it before torch is imported: libgomp reads the variable once, as it loads (raises otherwise).
 
-    Why it is a setting: between two operators the engine's other OpenMP threads spin, waiting for the next
-    one, then sleep.  A GPU worker on a CPU shares its cores with the CPU worker, Redis and its own Celery
-    threads, so each operator that one of those interrupts leaves a thread waiting; how long it should spin
-    before sleeping depends on the machine.  The default, libgomp's own 300,000 (~4 ms on an Intel Xeon),
-    measured best there on long generations (a sleeping thread costs more to wake); 50,000 measured better on
-    an AMD EPYC for one-token backlogs (docs/queue.md, "Many short jobs").  A
+    Why: between two operators the engine's other OpenMP threads spin, waiting for the next one.  A GPU worker
+    on a CPU shares its cores with the CPU worker, Redis and its own Celery threads; each time one of those
+    takes a core mid-operator, the thread left running spins at the barrier, and with libgomp's default
+    (300,000 spins: milliseconds) that burns CPU the others needed.  A few hundred microseconds keeps the
+    spin across an operator's gap (decode's many small ones) and sleeps through a preemption.  A
     ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` the user set wins."""
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
         return False
