@@ -34,6 +34,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
@@ -70,6 +71,10 @@ def _next_look_s(rec: dict[str, str], poll_s: float) -> float:
 def _entry_id(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def _tokens(item: dict[str, str]) -> int | None:
+    return int(item["tokens"]) if item.get("tokens", "").isdigit() else None
 
 
 def _glob_escape(text: str) -> str:
@@ -191,6 +196,12 @@ class Follower:
     # --- the job's text ---------------------------------------------------------------------------------
     async def deltas(self, job_id: str, tick: Tick) -> AsyncIterator[str]:
         """The job's text as it is generated, until its stream ends or the job does."""
+        async with aclosing(self.counted_deltas(job_id, tick)) as counted:
+            async for text, _ in counted:
+                yield text
+
+    async def counted_deltas(self, job_id: str, tick: Tick) -> AsyncIterator[tuple[str, int | None]]:
+        """``deltas`` with the number of tokens generated so far at each (None from a writer that does not say)."""
         self._start()
         follower = self._follow(self.names.stream(job_id))
         try:
@@ -204,7 +215,7 @@ class Follower:
                         if rec.get("state") in _TERMINAL:  # ended without (or before) an end entry
                             for _, item in await self._rest(follower):
                                 if item.get("type") == "delta":
-                                    yield item["text"]
+                                    yield item["text"], _tokens(item)
                             return
                         await tick(rec)
                         continue
@@ -213,7 +224,7 @@ class Follower:
                     if item.get("type") == "end":
                         return
                     if item.get("type") == "delta":
-                        yield item["text"]
+                        yield item["text"], _tokens(item)
         finally:
             self._unfollow(follower)
 

@@ -24,8 +24,12 @@ _GATEWAY_FIELDS = {
     "timeout_s": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "null"}],
                   "description": "a job not started within this many seconds ends expired (HTTP 429)"},
     "stream_options": {"anyOf": [{"type": "object", "additionalProperties": False,
-                                  "properties": {"include_usage": {"type": "boolean"}}}, {"type": "null"}],
-                       "description": "with stream: true; include_usage adds a last chunk with the usage"},
+                                  "properties": {"include_usage": {"type": "boolean"},
+                                                 "continuous_usage_stats": {"type": "boolean"}}},
+                                 {"type": "null"}],
+                       "description": "with stream: true; include_usage adds a last chunk with the usage; "
+                                      "continuous_usage_stats (vLLM's) with it puts the usage so far on every "
+                                      "chunk"},
 }
 
 ERROR_STATUSES = {400: "invalid request (the message names the field)", 401: "missing or unknown API key",

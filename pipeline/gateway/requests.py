@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pagedq.pipeline.gateway.keys import Tenant
 from pagedq.pipeline.protocol import CHAT_URL, AnyRequest, RequestError
 
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # the second is vLLM's, honoured with the first
+
 
 @dataclass
 class Submission:
@@ -22,6 +24,7 @@ class Submission:
     timeout_s: float | None = None
     include_usage: bool = False  # stream_options.include_usage
     has_stream_options: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
 
     @property
     def kind(self) -> str:
@@ -47,13 +50,15 @@ def split_body(url: str, body: dict, tenant: Tenant, default_priority: int) -> S
         value = body.pop("max_completion_tokens")
         if body.get("max_tokens") is None:
             body["max_tokens"] = value
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or type(options.get("include_usage", False)) is not bool):
-        raise RequestError("stream_options: must be an object with at most include_usage (a boolean)",
-                           "stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS)
+                                or any(type(options.get(k, False)) is not bool for k in STREAM_OPTIONS)):
+        raise RequestError("stream_options: must be an object with at most include_usage and "
+                           "continuous_usage_stats (booleans)", "stream_options")
     if body.get("priority") is None:
         body["priority"] = min(default_priority, tenant.max_priority)
-    return Submission(url, body, timeout_s, bool((options or {}).get("include_usage")), options is not None)
+    usage = bool((options or {}).get("include_usage"))
+    return Submission(url, body, timeout_s, usage, options is not None,
+                      usage and bool(options.get("continuous_usage_stats")))
 
 
 def check_allowed(sub: Submission, req: AnyRequest, tenant: Tenant) -> None:

@@ -92,7 +92,7 @@ async def _admitted(gw: Gateway, request: Request, url: str, tenant: Tenant) -> 
                        "service_unavailable", RETRY_AFTER_S)
     job_id = await run_in_threadpool(gw.submit, tenant, sub.submit_kwargs())
     shape = ChunkShape(sub.kind, ("chatcmpl-" if sub.kind == "chat" else "cmpl-") + job_id, req.model,
-                       int(time.time()), sub.include_usage)
+                       int(time.time()), sub.include_usage, sub.continuous_usage)
     if req.stream:
         hold = bool(getattr(req, "tool_parsing", ""))
         return _Streamed(_stream(gw, job_id, shape, hold), media_type="text/event-stream",
@@ -142,10 +142,18 @@ async def _stream(gw: Gateway, job_id: str, shape: ChunkShape, hold: bool = Fals
     tick, follower = gw.expiry_tick(job_id), gw.follower()
     try:
         opening = shape.opening()
-        if opening is not None:
+        if opening is not None and not shape.continuous_usage:  # else sent with the first usage known
             yield sse(opening)
-        sent = ""
-        async for text in follower.deltas(job_id, tick):
+        sent, prompt_tokens = "", None
+        async for text, tokens in follower.counted_deltas(job_id, tick):
+            if shape.continuous_usage:
+                if prompt_tokens is None:
+                    prompt_tokens = int(await gw.aredis().hget(gw.names.job(job_id), "prompt_tokens") or 0)
+                    shape.running_usage = _usage(prompt_tokens, 0)
+                    if opening is not None:
+                        yield sse(shape.opening())
+                        opening = None
+                shape.running_usage = _usage(prompt_tokens, tokens or 0)
             if not hold:
                 sent += text
                 yield sse(shape.delta(text))
@@ -155,6 +163,9 @@ async def _stream(gw: Gateway, job_id: str, shape: ChunkShape, hold: bool = Fals
             yield sse(job_error(rec).body())
         else:
             choice = result["choices"][0]
+            shape.running_usage = result.get("usage")
+            if opening is not None and shape.continuous_usage:
+                yield sse(shape.opening())
             calls = choice.get("message", {}).get("tool_calls")
             text = follow.text_of(result) or ""
             if calls:
@@ -175,6 +186,11 @@ async def _stream(gw: Gateway, job_id: str, shape: ChunkShape, hold: bool = Fals
     yield SSE_DONE
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 # --- models ----------------------------------------------------------------------------------------------
 def _model_object(gw: Gateway, name: str) -> dict | None:
     info = lookup_model(gw.r, gw.names, name)
@@ -186,7 +202,7 @@ def _model_object(gw: Gateway, name: str) -> dict | None:
 @router.get("/v1/models", response_model=ModelList, responses=errors(401, 429, 503))
 def list_models(request: Request, tenant: TenantDep) -> dict:
     gw = gateway(request)
-    models = [m for name in gw.client.served_models() if (m := _model_object(gw, name)) is not None]
+    models = [m for name in gw.served_models() if (m := _model_object(gw, name)) is not None]
     return ModelList(data=models).model_dump()
 
 

@@ -172,12 +172,14 @@ class ChunkShape:
     model: str
     created: int
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries ``running_usage``
+    running_usage: dict | None = None  # the usage so far, set by the route before each chunk
 
     def _chunk(self, choices: list[dict]) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = self.running_usage if self.continuous_usage else None
         return out
 
     def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
