@@ -201,7 +201,7 @@ class BufferedSentEvents:
 def send_preprocess(app: Celery, msg: PreprocessJob, priority: int, line: int | None = None,
                     event_dispatcher=None) -> None:
     """Send a job's preprocess message: the producer's send, and the lost-job sweep's resend.  ``line`` (a batch's
-    line number, with fair dispatch): its broker step is ``bulk_step``; the job's band in the fair queue is its
+    line number): its broker step is ``bulk_step``; the job's band in the fair queue is its
     priority all the same.  ``event_dispatcher``: where its ``task-sent`` event goes (``BufferedSentEvents``;
     None: published at once)."""
     step = broker_priority(priority) if line is None else bulk_step(priority, line)

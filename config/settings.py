@@ -10,13 +10,14 @@ never goes unnoticed.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,6 +27,8 @@ from pydantic_settings import (
 
 from pagedq.config.scheduling import DEFAULT_TENANT
 from pagedq.config.sentinel import parse_sentinel_url
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -118,8 +121,6 @@ class Settings(BaseSettings):
                                 "time (or twice this): fuller steps for many short jobs; a lone job (the first "
                                 "in this long, after a step of one job, with no more of its model's jobs on "
                                 "their way) never waits; 0 = step at once")
-    worker_max_inflight: int = Field(256, ge=1, description="generate tasks one GPU worker holds at once (arrival "
-                                     "order; with fair dispatch a worker holds max_num_seqs x 1.5 + 4)")
     result_cache: bool = True
     result_cache_ttl_s: int = Field(3600, ge=1)
     result_cache_max_bytes: int = Field(64 << 20, ge=0)
@@ -150,16 +151,9 @@ class Settings(BaseSettings):
         1.0, gt=0, le=1, description="one tenant's jobs of a model accepted and not yet ended are at most "
                                      "ceil(this x max_queued_jobs); beyond it its submits get queue_full. 1.0 (the "
                                      "default) keeps the whole bound for any tenant; a shared deployment sets e.g. 0.5")
-    fair_share: bool = Field(False, description="fair dispatch: generate jobs wait in a Redis fair queue per model "
-                             "(priority band, then the least-served tenant, then deadline and arrival) and a GPU "
-                             "worker claims the next one when it has room; false = kombu's arrival order per "
-                             "priority (store/dispatch.py, docs/queue.md)")
-    placement: bool = Field(False, description="cache-aware placement (with fair_share): each GPU worker keeps the "
-                            "names of its prefix cache's blocks in Redis (kv:<model>:<worker>) and its load in its "
-                            "record; a worker claims a job another worker holds more of only when that one is "
-                            "loaded or full or the job waited steal_s (fleet/placement.py); false = blind pull")
-    placement_steal_s: float = Field(0.5, gt=0, description="with placement: a job another worker holds more of "
-                                     "is taken by any worker with a free seat once it has waited this long")
+    placement_steal_s: float = Field(0.5, gt=0, description="cache-aware placement: a job another worker holds "
+                                     "more of is taken by any worker with a free seat once it has waited this long "
+                                     "(fleet/placement.py)")
     batch_priority: int | None = Field(None, ge=0, le=9, description="priority of batch jobs (Batches API, "
                                        "submit_batch, run-batch) whose line sets none; unset = default_priority")
     max_attempts: int = Field(3, ge=1, description="starts of a job whose worker dies each time before it "
@@ -214,13 +208,6 @@ class Settings(BaseSettings):
             raise ValueError(f"tenant weights must be > 0: {bad}")
         return value
 
-    @model_validator(mode="after")
-    def _placement_needs_fair_share(self) -> Settings:
-        if self.placement and not self.fair_share:
-            raise ValueError("PAGEDQ_PLACEMENT=true needs PAGEDQ_FAIR_SHARE=true: a job is placed when a worker "
-                             "claims it from its model's fair queue")
-        return self
-
     @property
     def redis_data_dir(self) -> Path:
         return self.redis_dir or self.state_dir / "redis"
@@ -244,16 +231,29 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+# Settings that are gone, each with what replaced it: still accepted in the environment, with one warning line.
+DEPRECATED_VARIABLES = {
+    "PAGEDQ_FAIR_SHARE": "fair dispatch is the only dispatch path now (docs/queue.md#which-job-next)",
+    "PAGEDQ_PLACEMENT": "cache-aware placement is always on now; PAGEDQ_PLACEMENT_STEAL_S still tunes it",
+    "PAGEDQ_WORKER_MAX_INFLIGHT": "a GPU worker holds max_num_seqs x 1.5 + 4 dispatch tokens (PAGEDQ_MAX_NUM_SEQS)",
+}
+_warned: set[str] = set()
+
 # PAGEDQ_* variables read by something other than Settings.
 OTHER_VARIABLES = {"PAGEDQ_CONFIG_FILE", "PAGEDQ_TEST_SEED", "PAGEDQ_API_KEYS_FILE", "PAGEDQ_KERNEL_TEST_DEVICE",
                    "PAGEDQ_REDIS_PASSWORD"}  # the last: docker compose's, in the shell that runs it
 
 
 def check_environment() -> None:
-    """Raise ValueError for a PAGEDQ_* variable that names no setting, naming the closest one."""
+    """Raise ValueError for a PAGEDQ_* variable that names no setting, naming the closest one; a deprecated one
+    is accepted with one warning line per process."""
     known = {f"PAGEDQ_{name.upper()}" for name in Settings.model_fields} | OTHER_VARIABLES
     for var in sorted(v for v in os.environ if v.upper().startswith("PAGEDQ_")):
-        if var.upper() not in known:
+        if var.upper() in DEPRECATED_VARIABLES:
+            if var.upper() not in _warned:
+                _warned.add(var.upper())
+                log.warning("%s is deprecated and has no effect: %s", var, DEPRECATED_VARIABLES[var.upper()])
+        elif var.upper() not in known:
             close = difflib.get_close_matches(var.upper(), sorted(known), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else "; see docs/configuration.md"
             raise ValueError(f"unknown setting {var}{hint}")

@@ -3,8 +3,10 @@
 - ``preprocess`` (queue ``pagedq.preprocess``): re-validates the request,
   waits (by retrying) until a GPU worker has registered the model, applies the
   chat template, tokenizes, checks the context length against the registered
-  model, and sends the job to ``pagedq.generate.<model>`` at the broker
-  priority of its pagedq priority.
+  model, and puts the job in its model's fair queue (``store/dispatch.py``)
+  with a dispatch token on ``pagedq.generate.<model>`` at the broker
+  priority of its pagedq priority: a GPU worker with a free seat binds the
+  token to the next job in the fleet order.
 - the lost-job sweep (``store.lost_jobs``) in a thread: a job whose message
   was lost on its way (a worker killed mid-delivery) is sent again.
 - the batch finalizer in a thread: a batch whose last job ended gets its
@@ -42,15 +44,12 @@ from pagedq.config.messages import (
     check_context,
     check_logit_bias,
     parse_message,
-    to_json,
 )
 from pagedq.config.names import (
-    GENERATE_TASK,
     POSTPROCESS_TASK,
     PREPROCESS_TASK,
     JobState,
     Names,
-    broker_priority,
 )
 from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline.postprocess import build_response, cache_answer
@@ -160,7 +159,7 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
                        tokenizers: Tokenizers) -> None:
     max_model_waits = int(settings.model_wait_s / MODEL_WAIT_RETRY_S)
     cache = ResultCache(r, names, settings.result_cache_ttl_s, settings.result_cache_max_bytes)
-    fair = FairDispatch(r, names) if settings.fair_share else None
+    fair = FairDispatch(r, names)
 
     @app.task(name=PREPROCESS_TASK, bind=True, max_retries=None, throws=(JobNotCompleted,))
     def preprocess(self, payload):
@@ -188,13 +187,10 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
             store.finish(msg.job_id, JobState.FAILED, error=error.to_dict())
             raise JobNotCompleted(f"job {msg.job_id} failed: {error.code}: {error}") from None
         store.update(msg.job_id, prompt_tokens=len(job.prompt_token_ids), preprocessed_at=time.time())
-        if fair is not None:  # the job waits in its model's fair queue; a token runs the next one in line
-            # before the token, and before this message is acknowledged: never a token too few
-            fair.push(job, prompt_blocks(job, info) if settings.placement else None)
-            send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events())
-        else:
-            self.app.send_task(GENERATE_TASK, args=[to_json(job)], priority=broker_priority(job.priority),
-                               argsrepr=job.describe(), kwargsrepr="{}", event_dispatcher=sent_events())
+        # The job waits in its model's fair queue; a token runs the next one in line.  Pushed before the token,
+        # and before this message is acknowledged: never a token too few.
+        fair.push(job, prompt_blocks(job, info))
+        send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events())
         return {"job_id": msg.job_id, "prompt_tokens": len(job.prompt_token_ids)}
 
     @app.task(name=POSTPROCESS_TASK, bind=True, throws=(JobNotCompleted,))
@@ -309,8 +305,7 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     register_cpu_tasks(app, settings, r, store, names, tokenizers)
     sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),
                          interval_s=message_lease_s(settings), owner=hostname, max_resends=settings.max_attempts,
-                         send_token=(lambda model, priority: send_dispatch_token(app, model, priority))
-                         if settings.fair_share else None)
+                         send_token=lambda model, priority: send_dispatch_token(app, model, priority))
     start_sweeping(sweep)
     start_watching(DeadlineWatch(store, owner=hostname))  # waiting jobs past their start deadline end expired
     start_finalizing(settings, r)

@@ -5,19 +5,19 @@ chat jobs one after another (``--max-tokens`` each, greedy, distinct prompts, re
 only once the last one's result is in, so nothing queues behind anything.  From each job's record and the
 producer's clock (one host, one clock):
 
-    submit -> preprocessed      broker wait on the preprocess queue, tokenize, the generate message / fair push
-    preprocessed -> admitted    broker wait on the generate queue (or the dispatch token's claim), admit
+    submit -> preprocessed      broker wait on the preprocess queue, tokenize, the fair push and its token
+    preprocessed -> admitted    the dispatch token's wait on the generate queue and its claim, admit
     admitted -> generated       the engine: seated at the next step, prefill, decode
     generated -> completed      the Completion through the results queue, detokenize and build the answer,
                                 the terminal write (``finish``)
     completed -> result seen    the done notification reaching the producer (``Client.result``)
 
-Printed: p50 and p90 of each part and of the whole, with fair dispatch off and on (``--fair``), and beside
+Printed: p50 and p90 of each part and of the whole, on the default settings, and beside
 them the engine alone: ``LLM.generate`` in this process on prompts of the same shape, one at a time (what
 ``admitted -> generated`` would be with no queue around the engine).
 
-    python scripts/bench_latency.py                  # 50 one-token jobs, fair dispatch off and on
-    python scripts/bench_latency.py --max-tokens 16 --fair on
+    python scripts/bench_latency.py                  # 50 one-token jobs
+    python scripts/bench_latency.py --max-tokens 16
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ def engine_alone(jobs: int, max_tokens: int) -> list[float]:
     return took
 
 
-def run(fair: bool, jobs: int, max_tokens: int) -> dict[str, list[float]]:
+def run(jobs: int, max_tokens: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="pagedq-bench-latency-") as scratch:
         settings = Settings()
         if not settings.broker_url:
             settings = settings.model_copy(update={"redis_dir": Path(scratch) / "redis"})
-        settings = settings.model_copy(update={"result_cache": False, "fair_share": fair})
+        settings = settings.model_copy(update={"result_cache": False})
         with Stack(settings, log_dir=Path(scratch) / "logs") as stack, Client(settings, stack.url) as client:
             stack.wait_ready(600)
             client.result(client.submit([{"role": "user", "content": "warm up"}], max_tokens=1), timeout=300)
@@ -103,17 +103,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=1)
-    ap.add_argument("--fair", choices=["off", "on", "both"], default="both")
     args = ap.parse_args()
-    settings = ["off", "on"] if args.fair == "both" else [args.fair]
-    results = {f: run(f == "on", args.jobs, args.max_tokens) for f in settings}
+    result = run(args.jobs, args.max_tokens)
     print(f"\n{args.jobs} jobs one at a time, max_tokens {args.max_tokens}; milliseconds, p50 / p90")
-    print("| part | " + " | ".join(f"fair dispatch {f}" for f in settings) + " |")
-    print("|---|" + "---|" * len(settings))
+    print("| part | queue |")
+    print("|---|---|")
     for name in [*(n for n, _, _ in PARTS), "whole"]:
-        cells = [f"{pct(results[f][name], 0.5) * 1e3:.1f} / {pct(results[f][name], 0.9) * 1e3:.1f}"
-                 for f in settings]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        print(f"| {name} | {pct(result[name], 0.5) * 1e3:.1f} / {pct(result[name], 0.9) * 1e3:.1f} |")
     alone = engine_alone(args.jobs, args.max_tokens)
     print(f"\nthe engine alone (LLM.generate in this process, one at a time): p50 {pct(alone, 0.5) * 1e3:.1f} / "
           f"p90 {pct(alone, 0.9) * 1e3:.1f} ms")

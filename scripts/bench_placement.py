@@ -1,4 +1,4 @@
-"""Cache-aware placement: conversations replayed turn by turn on 1, 2 and 4 GPU workers, placement on vs off.
+"""Cache-aware placement: conversations replayed turn by turn on 1, 2 and 4 GPU workers, default settings.
 
 Workload (seeded): ShareGPT conversations with at least ``--min-turns`` human turns (each turn's text capped at
 ``--turn-tokens`` tokens), a shared system prompt (``bench_prefix.SYSTEM``); each turn is the whole history
@@ -7,17 +7,14 @@ with the model's own greedy replies (``--max-tokens``), so the cached blocks rea
 token from the submit to the first text delta).
 
 Runs, one sitting, same conversations, each on a fresh stack (``pagedq up``'s: embedded redis-server, N GPU
-workers, one CPU worker; fair dispatch on): 1 worker, then 2 and 4 with ``PAGEDQ_PLACEMENT`` off (blind pull)
-and on.  Printed per run: prompt tokens computed and served from cache (``usage.prompt_tokens_details``), the
-fleet's hit ratio, TTFT p50/p99, requests/s and output tok/s, each worker's share of the requests, and the
-placement counters; then the Done-when lines of issue 20 as PASS/FAIL.
-
-``--skewed``: instead, 4 workers, ``--skewed-jobs`` single-turn jobs at once, 80% starting with the shared
-system prompt: throughput with placement on vs off.
+workers, one CPU worker; the one dispatch path, placement always on): 1 worker, then 2 and 4.  Printed per run:
+prompt tokens computed and served from cache (``usage.prompt_tokens_details``), the fleet's hit ratio, TTFT
+p50/p99, requests/s and output tok/s, each worker's share of the requests, and the placement counters; then the
+lines of issue 46 as PASS/FAIL: N workers keep >= 95% of one worker's hit ratio, no worker above 40% of the
+requests with 4.
 
     python scripts/bench_placement.py                         # 32 conversations x 4 turns, 1/2/4 workers
     python scripts/bench_placement.py --conversations 8 --workers 1 2   # a quick look
-    python scripts/bench_placement.py --skewed
 """
 
 from __future__ import annotations
@@ -56,7 +53,6 @@ class Turn:
 class Run:
     label: str
     workers: int
-    placement: bool
     turns: list[Turn] = field(default_factory=list)
     seconds: float = 0.0
     stats: dict = field(default_factory=dict)
@@ -137,37 +133,20 @@ def replay(client: Client, convs: list[list[str]], max_tokens: int) -> list[Turn
     return turns
 
 
-def skewed_jobs(client: Client, tokenizer, n: int, max_tokens: int, seed: int) -> list[Turn]:
-    rng = random.Random(seed)
-    qs = [c[0] for c in conversations(tokenizer, max(n // 4, 8), 1, 60, seed)]
-    jobs = []
-    for i in range(n):
-        q = f"{rng.choice(qs)} (#{i})"
-        messages = ([{"role": "system", "content": SYSTEM}] if rng.random() < 0.8 else []) + \
-            [{"role": "user", "content": q}]
-        jobs.append(client.submit(messages=messages, max_tokens=max_tokens, temperature=0))
-    turns = []
-    for job in jobs:
-        usage = client.result(job, timeout=3600)["usage"]
-        turns.append(Turn(0, job, usage["prompt_tokens"], usage.get("prompt_tokens_details", {}).get(
-            "cached_tokens", 0), usage["completion_tokens"], 0.0, client.status(job).worker or ""))
-    return turns
-
-
-def run_once(args, workers: int, placement: bool, work) -> Run:
-    label = f"{workers} worker{'s' if workers > 1 else ''}, placement {'on' if placement else 'off'}"
+def run_once(args, workers: int, work) -> Run:
+    label = f"{workers} worker{'s' if workers > 1 else ''}"
     with tempfile.TemporaryDirectory(prefix="pagedq-bench-placement-") as scratch:
         settings = Settings()
         if not settings.broker_url:
             settings = settings.model_copy(update={"redis_dir": Path(scratch) / "redis"})
         settings = settings.model_copy(update={
-            "result_cache": False, "fair_share": True, "placement": placement, "num_threads": args.threads,
+            "result_cache": False, "num_threads": args.threads,
             "adaptive_threads": False,
             **({"num_kv_blocks": args.kv_blocks} if args.kv_blocks else {})})
         with Stack(settings, gpu_workers=workers, log_dir=Path(scratch) / "logs") as stack, \
                 Client(settings, stack.url) as client:
             stack.wait_ready(900)
-            run = Run(label, workers, placement)
+            run = Run(label, workers)
             start = time.perf_counter()
             run.turns = work(client)
             run.seconds = time.perf_counter() - start
@@ -195,25 +174,17 @@ def report(run: Run) -> None:
         print(f"  placement: {run.stats}")
 
 
-def verdicts(runs: dict[tuple[int, bool], Run]) -> None:
-    one = runs.get((1, False)) or runs.get((1, True))
-    print("\nissue 20, Done when:")
-    for n in (2, 4):
-        on, off = runs.get((n, True)), runs.get((n, False))
-        if one and on:
-            ok = on.hit_ratio >= 0.95 * one.hit_ratio
-            blind = f"; blind pull {off.hit_ratio:.1%}" if off else ""
-            print(f"  {'PASS' if ok else 'FAIL'} hit ratio, {n} workers: {on.hit_ratio:.1%} vs one worker's "
-                  f"{one.hit_ratio:.1%} (>= 95%: {0.95 * one.hit_ratio:.1%}){blind}")
-    on4, off4 = runs.get((4, True)), runs.get((4, False))
-    if on4 and off4:
-        ok = on4.computed <= 0.6 * off4.computed
-        print(f"  {'PASS' if ok else 'FAIL'} prompt tokens computed, 4 workers: {on4.computed} vs blind pull's "
-              f"{off4.computed} ({on4.computed / max(off4.computed, 1):.0%}; <= 60%)")
-    on2 = runs.get((2, True))
-    if on2:
-        top = max(on2.shares().values())
-        print(f"  {'PASS' if top <= 0.6 else 'FAIL'} busiest worker's share, 2 workers: {top:.0%} (<= 60%)")
+def verdicts(runs: dict[int, Run]) -> None:
+    one = runs.get(1)
+    print("\nissue 46, Done when:")
+    for n, run in sorted(runs.items()):
+        if n > 1 and one:
+            ok = run.hit_ratio >= 0.95 * one.hit_ratio
+            print(f"  {'PASS' if ok else 'FAIL'} hit ratio, {n} workers: {run.hit_ratio:.1%} vs one worker's "
+                  f"{one.hit_ratio:.1%} (>= 95%: {0.95 * one.hit_ratio:.1%})")
+        if n == 4:
+            top = max(run.shares().values())
+            print(f"  {'PASS' if top <= 0.4 else 'FAIL'} busiest worker's share, 4 workers: {top:.0%} (<= 40%)")
 
 
 def main() -> None:
@@ -225,8 +196,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--threads", type=int, default=1, help="torch threads per GPU worker")
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (0: from kv_cache_memory)")
-    ap.add_argument("--skewed", action="store_true")
-    ap.add_argument("--skewed-jobs", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
@@ -236,22 +205,12 @@ def main() -> None:
 
     settings = Settings()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings.model, settings.state_dir).path)
-    runs: dict[tuple[int, bool], Run] = {}
-    if args.skewed:
-        for placement in (False, True):
-            runs[(4, placement)] = run_once(args, 4, placement, lambda c: skewed_jobs(
-                c, tokenizer, args.skewed_jobs, args.max_tokens, args.seed))
-        off, on = runs[(4, False)], runs[(4, True)]
-        ratio = (len(on.turns) / on.seconds) / (len(off.turns) / off.seconds)
-        print(f"\n  {'PASS' if ratio >= 1 else 'FAIL'} skewed load, 4 workers: placement on {ratio:.2f}x blind "
-              "pull's requests/s (>= 1)")
-    else:
-        convs = conversations(tokenizer, args.conversations, args.min_turns, args.turn_tokens, args.seed)
-        print(f"{len(convs)} conversations x {args.min_turns} turns, max_tokens {args.max_tokens}")
-        for n in args.workers:
-            for placement in ((False,) if n == 1 else (False, True)):
-                runs[(n, placement)] = run_once(args, n, placement, lambda c: replay(c, convs, args.max_tokens))
-        verdicts(runs)
+    runs: dict[int, Run] = {}
+    convs = conversations(tokenizer, args.conversations, args.min_turns, args.turn_tokens, args.seed)
+    print(f"{len(convs)} conversations x {args.min_turns} turns, max_tokens {args.max_tokens}")
+    for n in args.workers:
+        runs[n] = run_once(args, n, lambda c: replay(c, convs, args.max_tokens))
+    verdicts(runs)
     if args.json:
         Path(args.json).write_text(json.dumps({r.label: {
             "requests": len(r.turns), "seconds": r.seconds, "computed": r.computed, "hit_ratio": r.hit_ratio,

@@ -293,7 +293,7 @@ def deployment(**settings: object):
 def gpu_kill(jobs: int = 24, tokens: int = 160) -> Row:
     """kill -9 of the GPU worker mid-generation; a replacement starts at once."""
     row = Row("kill -9 GPU worker")
-    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+    with deployment(max_num_seqs=jobs) as d:
         ids = d.submit(jobs, tokens)
         d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
         victim = d.worker("gpu")
@@ -315,7 +315,7 @@ def gpu_freeze(jobs: int = 12, tokens: int = 160) -> Row:
     restores and runs its jobs; then SIGCONT: the frozen worker wakes up believing it still holds them, and
     fencing must refuse every finish and requeue it attempts (``pagedq_fenced_total``)."""
     row = Row("SIGSTOP a GPU worker past its lease, SIGCONT after (2 GPU workers)")
-    with deployment(gpu_workers=2, max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+    with deployment(gpu_workers=2, max_num_seqs=jobs) as d:
         ids = d.submit(jobs, tokens)
         d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
         holders = Counter(d.status(j).worker for j in d.running(ids))
@@ -356,7 +356,7 @@ def placement_kill(jobs: int = 16, tokens: int = 160) -> Row:
     more tokens), each placed on the worker holding its history; kill -9 of the worker holding the most while
     those turns run, no replacement: every turn completes once on the other worker."""
     row = Row("kill -9 cache holder (placement, 2 GPU workers)")
-    with deployment(gpu_workers=2, fair_share=True, placement=True, max_num_seqs=jobs) as d:
+    with deployment(gpu_workers=2, max_num_seqs=jobs) as d:
         d.stack.wait_ready(600)
         histories = [[random.randint(100, 30000) for _ in range(random.randint(100, 250))] for _ in range(jobs)]
         first = [d.client.submit(prompt=h, max_tokens=2, **GREEDY) for h in histories]
@@ -409,7 +409,7 @@ def stage_kill(jobs: int = 12, tokens: int = 120) -> Row:
     import psutil
 
     row = Row("kill -9 one pipeline stage")
-    with deployment(pipeline_stages=2, max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+    with deployment(pipeline_stages=2, max_num_seqs=jobs) as d:
         ids = d.submit(jobs, tokens)
         d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
         driver = d.worker("gpu")
@@ -429,7 +429,7 @@ def stage_kill(jobs: int = 12, tokens: int = 120) -> Row:
 def redis_kill(jobs: int = 16, tokens: int = 120) -> Row:
     """kill -9 of redis-server (AOF, appendfsync everysec), restarted on the same port and data dir."""
     row = Row("kill -9 redis-server, restart")
-    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs) as d:
+    with deployment(max_num_seqs=jobs) as d:
         ids = d.submit(jobs, tokens)
         time.sleep(1.5)  # everything submitted more than a second before the crash must survive it
         d.wait_for(lambda: len(d.running(ids)) >= 2, DEADLINE_S)
@@ -444,7 +444,7 @@ def redis_kill(jobs: int = 16, tokens: int = 120) -> Row:
 def sigterm(jobs: int = 12, tokens: int = 120) -> Row:
     """SIGTERM of the GPU worker mid-run: it drains (running jobs finish, up to drain_timeout_s), then exits."""
     row = Row("SIGTERM GPU worker (drain)")
-    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs, drain_timeout_s=30) as d:
+    with deployment(max_num_seqs=jobs, drain_timeout_s=30) as d:
         ids = d.submit(jobs, tokens)
         d.wait_for(lambda: len(d.running(ids)) >= jobs // 2, DEADLINE_S)
         victim = d.worker("gpu")
@@ -462,7 +462,7 @@ def sigterm(jobs: int = 12, tokens: int = 120) -> Row:
 def redis_pause(jobs: int = 12, tokens: int = 80, pause_s: float = 30) -> Row:
     """Redis stopped (SIGSTOP) for ``pause_s``: producers get BrokerUnavailable in bounded time; all recovers."""
     row = Row(f"Redis paused {pause_s:.0f} s")
-    with deployment(max_num_seqs=jobs, worker_max_inflight=jobs, broker_timeout_s=3) as d:
+    with deployment(max_num_seqs=jobs, broker_timeout_s=3) as d:
         ids = d.submit(jobs, tokens)
         d.wait_for(lambda: len(d.running(ids)) >= 2, DEADLINE_S)
         d.redis.proc.send_signal(signal.SIGSTOP)
@@ -563,7 +563,7 @@ def backlog(jobs: int = 10_000) -> Row:
     import psutil
 
     row = Row(f"{jobs}-job backlog")
-    with deployment(max_num_seqs=256, worker_max_inflight=256) as d:
+    with deployment(max_num_seqs=256) as d:
         r = redis.Redis.from_url(d.redis.url)
         base = r.info("memory")["used_memory"]
         start = time.monotonic()
@@ -607,7 +607,7 @@ def spread(n: int, lo: int, hi: int) -> list[int]:
 
 def busy(jobs: int, **settings: object):
     """A deployment that runs every job at once (sequences, inflight tasks and KV cache for all of them)."""
-    return deployment(max_num_seqs=jobs, worker_max_inflight=jobs, kv_cache_memory="1GiB", **settings)
+    return deployment(max_num_seqs=jobs, kv_cache_memory="1GiB", **settings)
 
 
 def until_fault(d: Deployment, ids: list[str]) -> None:

@@ -30,7 +30,7 @@ sent again; preprocessing and generation then run as for a new job, and
 ``finish`` still publishes once.  A job sent again ``max_resends`` times ends
 failed with code ``lost``.
 
-With fair dispatch (``store/dispatch``) a generated job has no message of
+A generated job (``store/dispatch``) has no message of
 its own: it waits in its model's fair queue, which is durable (held), or is
 bound to a token's slot, and is held iff that token's message is on a queue or
 in ``unacked``.  A bound job missing twice goes back into its fair queue

@@ -6,23 +6,28 @@ threads pool of ``worker_max_inflight`` (prefetch 1 each): that many generate
 tasks are in flight at once, all feeding the one engine.  Any number of
 these, on any hosts, may consume the same model queue.
 
-- ``generate`` (queue ``pagedq.generate.<model>``): admits the job (in_progress,
-  one more attempt), hands it to the engine service, waits, then sends the
-  Completion to postprocess by task name.  A cancelled job ends here; a job
-  aborted by a worker shutdown is rejected with requeue, so another worker
-  (or this one, restarted) takes it.
-- ``dispatch`` (same queue; with ``PAGEDQ_FAIR_SHARE``): a token for "a job of
-  this model".  It waits (at most ``ROOM_WAIT_S``) until the engine has a free
-  seat, then claims the next job of the model's fair queue in fleet order
-  (``store/dispatch.py``) and runs it as ``generate`` does; with no room it goes
-  back to its queue for a worker that has some, with nothing to claim it ends.
-  With every seat taken, a token still claims a job that may take a running
-  job's seat: one of a higher band, or of a tenant holding fewer seats here
-  than its share (``fleet.policy.seat_share``); the engine preempts for it,
-  and the preempted job waits in the engine for the next free seat.  The
-  worker holds ``max_num_seqs`` + ``swap_room`` (half the seats: the jobs it
-  may hold beyond its seats) + ``LOOKAHEAD`` tasks, not ``worker_max_inflight``:
-  the job it runs next is chosen when a seat is free.
+- ``dispatch`` (queue ``pagedq.generate.<model>``, and the worker's own queue
+  for placement nudges): a token for "a job of this model".  Every generate
+  job waits in its model's fair queue (``store/dispatch.py``); a token waits
+  (at most ``ROOM_WAIT_S``) until the engine has a free seat, then claims the
+  next job in the fleet order (priority band, the least-served tenant by
+  weighted tokens, deadline, arrival) with cache-aware placement
+  (``fleet.placement``: a job another worker holds more of is left to it for a
+  bounded time), admits it (in_progress, one more attempt), hands it to the
+  engine, waits, then sends the Completion to postprocess by task name.  With
+  no room the token goes back to its queue for a worker that has some; with
+  nothing to claim it ends.  With every seat taken, a token still claims a
+  job that may take a running job's seat: one of a higher band, or of a
+  tenant holding fewer seats here than its share (``fleet.policy.seat_share``);
+  the engine preempts for it, and the preempted job waits in the engine for
+  the next free seat.  The worker holds ``max_num_seqs`` + ``swap_room`` (half
+  the seats: the jobs it may hold beyond its seats) + ``LOOKAHEAD`` tasks: the
+  job it runs next is chosen when a seat is free.  A cancelled job ends here;
+  a job aborted by a worker shutdown goes back to its fair queue and its token
+  back on its queue.
+- ``generate`` (same queue): a job message from a producer of before the one
+  dispatch path (an upgrade with jobs in flight): the job joins its model's
+  fair queue, with a token, and runs as every other job.
 - ``ProgressReporter``: every ``progress_interval_s``, a ``task-progress``
   event (tokens so far) per running task, which Flower shows as the task's
   PROGRESS state, and the same count in the job record; it also re-checks
@@ -91,14 +96,16 @@ def parse_generate(payload, task_id: str) -> GenerateJob:
         raise Reject(f"malformed message: {e}", requeue=False) from None
 
 
-def register_generate(app: Celery, service: EngineService, store: JobStore, names: Names):
-    @app.task(name=GENERATE_TASK, bind=True, throws=(JobNotCompleted,))
+def register_generate(app: Celery, fair: FairDispatch):
+    """Jobs sent as a whole ``generate`` message (producers and CPU workers of before the one dispatch path):
+    each joins its model's fair queue and gets a token, pushed before the message is acknowledged (a kill in
+    between pushes it again: ``push`` is idempotent, and a spare token finds nothing)."""
+    @app.task(name=GENERATE_TASK, bind=True)
     def generate(self, payload):
         job = parse_generate(payload, self.request.id)
-        handle, weights = start(job, self.request, service, store, names)
-        handle.done.wait()
-        fingerprint = weights if service.engine.fingerprint == weights else ""
-        return through_outage(lambda: conclude(self.app, handle, store, names, fingerprint), f"job {job.job_id}")
+        fair.push(job)
+        send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events())
+        return {"job_id": job.job_id, "queued": "fair queue"}
 
     return generate
 
@@ -247,7 +254,7 @@ SKIP_RETRY_MIN_S = 0.02  # the least wait between two placed claims of a worker 
 
 @dataclass
 class Placement:
-    """A worker's placed claims (``PAGEDQ_PLACEMENT``): one at a time (``gate``), none before ``next_try``."""
+    """A worker's placed claims: one at a time (``gate``), none before ``next_try``."""
 
     policy: PlacementPolicy
     gate: threading.Lock = field(default_factory=threading.Lock)
@@ -262,7 +269,7 @@ class Dispatch:
     fair: FairDispatch
     seats: Seats
     peers: Peers
-    placement: Placement | None = None
+    placement: Placement
     room_wait_s: float = ROOM_WAIT_S
     bound: BoundJobs = field(default_factory=BoundJobs)
 
@@ -325,13 +332,11 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             d.bound.discard(self.request.id)
 
     def claim(token: DispatchToken, worker: str) -> GenerateJob | Skip | None:
-        """The next job for a free seat: the fleet order's head, or with placement (``d.placement``) the first
-        of its first jobs this worker may take.  Placed claims go one at a time on a worker; after a skip the
-        next waits until a job may be stolen (at most ``steal_s``), and the worker the first job prefers gets
-        a token of its own (a nudge: a spare, so one lost on a dead worker's queue costs nothing)."""
+        """The next job for a free seat: the first of the fleet order's first jobs this worker may take
+        (``fleet.placement``).  Placed claims go one at a time on a worker; after a skip the next waits until a
+        job may be stolen (at most ``steal_s``), and the worker the first job prefers gets a token of its own (a
+        nudge: a spare, so one lost on a dead worker's queue costs nothing)."""
         model = service.engine.model_name
-        if d.placement is None:
-            return d.fair.claim(model, worker, token.slot)
         with d.placement.gate:
             while (wait := d.placement.next_try - time.monotonic()) > 0 and not service.draining:
                 time.sleep(min(wait, 0.05))
@@ -458,11 +463,10 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
 
 class ProgressReporter(threading.Thread):
     def __init__(self, app: Celery, service: EngineService, r: redis.Redis, names: Names, hostname: str,
-                 interval_s: float, name_jobs: bool = False, bound: BoundJobs | None = None) -> None:
+                 interval_s: float, bound: BoundJobs | None = None) -> None:
         super().__init__(name="progress", daemon=True)
         self.app, self.service, self.r, self.names = app, service, r, names
         self.hostname, self.interval_s = hostname, interval_s
-        self.name_jobs = name_jobs  # dispatch tokens name no job in their arguments: the progress line does
         self.bound = bound or BoundJobs()
         self.reported: dict[str, int] = {}
         self.checked_epoch: object = object()  # names.job_flags_epoch at the last re-check (a sentinel: none yet)
@@ -492,7 +496,8 @@ class ProgressReporter(threading.Thread):
             if h.num_tokens and h.task_id not in just_bound and self.reported.get(h.task_id) != h.num_tokens:
                 self.reported[h.task_id] = h.num_tokens
                 # Flower shows the custom state (PROGRESS) and, in the task's Result field, the count.
-                result = f"{h.num_tokens} tokens so far" + (f" (job {h.job.job_id})" if self.name_jobs else "")
+                # A dispatch token names no job in its arguments: the progress line does.
+                result = f"{h.num_tokens} tokens so far (job {h.job.job_id})"
                 dispatcher.send("task-progress", uuid=h.task_id, tokens=h.num_tokens, result=result)
                 pipe.hset(self.names.job(h.job.job_id), "completion_tokens", h.num_tokens)
         dispatcher.flush()
@@ -598,12 +603,9 @@ def thread_budget(settings: Settings) -> ThreadBudget | None:
 
 
 def inflight(settings: Settings) -> int:
-    """Tasks one GPU worker holds at once: ``worker_max_inflight``; with fair dispatch its seats, the jobs it may
-    hold beyond them and a look-ahead, so the rest of the backlog stays in the fair queue, where the next job is
-    chosen."""
-    if settings.fair_share:
-        return settings.max_num_seqs + swap_room(settings.max_num_seqs) + LOOKAHEAD
-    return settings.worker_max_inflight
+    """Tasks one GPU worker holds at once: its seats, the jobs it may hold beyond them and a look-ahead, so the
+    rest of the backlog stays in the fair queue, where the next job is chosen."""
+    return settings.max_num_seqs + swap_room(settings.max_num_seqs) + LOOKAHEAD
 
 
 EXIT_REPLICA_LOST = 3  # a process of the engine's replica died: restart the worker (its jobs were requeued)
@@ -618,21 +620,20 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     service = EngineService(lambda: LLM(settings, model), r, names, hostname, settings.result_ttl_s,
                             on_replica_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),  # warm shutdown
                             worker_ttl_s=settings.worker_ttl_s, thread_budget=thread_budget(settings),
-                            publish_cache=settings.placement, step_hold_s=settings.step_hold_ms / 1000)
+                            publish_cache=True, step_hold_s=settings.step_hold_ms / 1000)
     engine = service.start()  # built on the thread that will step it (see service.py)
     service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
     store = JobStore.from_settings(r, names, settings)
-    register_generate(app, service, store, names)  # also with fair dispatch: messages sent before it was on
     placement = Placement(PlacementPolicy(block_size=engine.engine.config.block_size,
-                                          steal_s=settings.placement_steal_s)) if settings.placement else None
+                                          steal_s=settings.placement_steal_s))
     dispatch = Dispatch(FairDispatch(r, names), Seats(service), Peers(r, names, engine.model_name, hostname),
                         placement)
+    register_generate(app, dispatch.fair)
     register_dispatch(app, service, store, names, dispatch)
     ControlListener(r, names, control.configured_secret(settings), service, hostname).start()
-    ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s, settings.fair_share,
-                     dispatch.bound).start()
+    ProgressReporter(app, service, r, names, hostname, settings.progress_interval_s, dispatch.bound).start()
     signals.worker_shutting_down.connect(lambda **_: service.drain(settings.drain_timeout_s), weak=False)
     queue = names.generate_queue(engine.model_name)
     log.info("serving %s on queue %s as %s (%d thread(s), GOMP_SPINCOUNT %s)", engine.model_name, queue, hostname,
@@ -640,10 +641,10 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
     code: int | str | None = 0
     try:
         run_celery_worker(app, r, names.worker(hostname), {"role": "gpu", "model": engine.model_name},
-                          queues=[queue, *([names.worker_queue(engine.model_name, hostname)] if placement else [])],
+                          queues=[queue, names.worker_queue(engine.model_name, hostname)],
                           concurrency=inflight(settings), hostname=hostname,
                           loglevel=loglevel, ttl_s=settings.worker_ttl_s,
-                          keep_alive=[names.kv_blocks(engine.model_name, hostname)] if placement else [])
+                          keep_alive=[names.kv_blocks(engine.model_name, hostname)])
     except SystemExit as e:
         code = e.code
     finally:

@@ -9,7 +9,6 @@ import random
 import time
 import uuid
 
-import pytest
 from queue_helpers import wait_until
 
 from pagedq.config import Settings
@@ -20,13 +19,9 @@ from pagedq.store.dispatch import FairDispatch
 from pagedq.store.registry import ModelInfo, register_model
 
 
-# Fair dispatch off (the default) only: the tokenizer load makes each variant ~13 s; the fair queue side of expiry
-# is covered against Redis in tests/unit/test_deadlines.py.
-@pytest.mark.parametrize("fair_share", [False], ids=["arrival-order"])
-def test_waiting_jobs_expire_within_two_seconds_with_no_gpu_worker(redis_url, tmp_path, fair_share):
+def test_waiting_jobs_expire_within_two_seconds_with_no_gpu_worker(redis_url, tmp_path):
     tag = uuid.uuid4().hex[:8]
-    settings = Settings(broker_url=redis_url, key_prefix=f"dl{tag}:", queue_prefix=f"dl{tag}.", result_cache=False,
-                        fair_share=fair_share)
+    settings = Settings(broker_url=redis_url, key_prefix=f"dl{tag}:", queue_prefix=f"dl{tag}.", result_cache=False)
     names = Names.from_settings(settings)
     with Stack(settings, gpu_workers=0, cpu_workers=1, log_dir=tmp_path) as stack, \
             Client(settings, stack.url) as client:
@@ -47,7 +42,6 @@ def test_waiting_jobs_expire_within_two_seconds_with_no_gpu_worker(redis_url, tm
         assert all(json.loads(rec["error"])["code"] == "expired" for rec in records)
         time.sleep(0.5)
         assert client.status(kept).state == JobState.QUEUED
-        if fair_share:
-            dispatch = FairDispatch(client.r, names)
-            assert dispatch.waiting(settings.model) == 1 and dispatch.is_waiting(kept)
+        dispatch = FairDispatch(client.r, names)
+        assert dispatch.waiting(settings.model) == 1 and dispatch.is_waiting(kept)
         client.cancel(kept)

@@ -1,4 +1,4 @@
-"""Late binding through the real queue (``PAGEDQ_FAIR_SHARE=true``): a GPU worker claims the next job of the fleet
+"""Late binding through the real queue (the one dispatch path): a GPU worker claims the next job of the fleet
 order when a seat is free, and no job is lost or run twice when that worker is killed or drained.
 
 One module-scoped stack (real redis-server, real Celery worker processes, the packaged model) with 2 engine seats;
@@ -45,8 +45,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def settings(redis_url) -> Settings:
     return Settings(broker_url=redis_url, key_prefix="pfd:", queue_prefix="pfd.", result_cache=False,
-                    kv_cache_memory="256MiB", progress_interval_s=0.5, fair_share=True, max_num_seqs=2,
-                    placement=True, worker_ttl_s=6, drain_timeout_s=1, send_grace_s=5)
+                    kv_cache_memory="256MiB", progress_interval_s=0.5, max_num_seqs=2,
+                    worker_ttl_s=6, drain_timeout_s=1, send_grace_s=5)
 
 
 def tenant_client(settings: Settings, stack, name: str) -> Client:
@@ -213,7 +213,7 @@ def assert_clean(client: Client) -> None:
 
 
 def test_a_worker_keeps_the_names_of_its_cached_blocks_in_redis(settings, stack, client):
-    """With ``PAGEDQ_PLACEMENT``: the blocks of a prompt the worker computed are in its set, under the names the
+    """For placement: the blocks of a prompt the worker computed are in its set, under the names the
     CPU side computes from the prompt's token ids and the registered model (``block_hash``)."""
     info = lookup_model(client.r, client.names, settings.model)
     prompt = [random.randint(100, 30000) for _ in range(random.randint(40, 90))]
@@ -256,7 +256,7 @@ def test_drain_hands_bound_jobs_back_and_they_complete_on_another_worker(setting
     assert_clean(client)
 
 
-# --- the lost-job sweep with fair dispatch: no workers, no model; what a preprocess does is done by hand ------
+# --- the lost-job sweep and the fair queues: no workers, no model; what a preprocess does is done by hand ------
 SWEEP_S = 0.3
 
 
@@ -276,7 +276,7 @@ def preprocessed(client: Client, fair: FairDispatch, job_id: str) -> None:
 def test_sweep_holds_fair_jobs_tops_up_tokens_and_releases_a_job_whose_token_is_gone(redis_url):
     tag = uuid.uuid4().hex[:8]
     s = Settings(broker_url=redis_url, key_prefix=f"fs{tag}:", queue_prefix=f"fs{tag}.", result_cache=False,
-                 send_grace_s=1.0, fair_share=True)
+                 send_grace_s=1.0)
     with Client(s, redis_url, tenant="sweep") as client:
         model, fair = s.model, FairDispatch(client.r, client.names)
         jobs = [client.submit(prompt=f"fair sweep {uuid.uuid4().hex}", max_tokens=4) for _ in range(4)]
@@ -337,15 +337,12 @@ def taken_order(client: Client) -> list[str]:
                 return order
 
 
-@pytest.mark.parametrize("fair_share", [True, False])
-def test_a_batch_sent_behind_another_is_tokenized_before_the_others_tail(redis_url, fair_share):
-    """With fair dispatch a batch's deeper lines go to lower broker steps (``bulk_step``), so a tenant whose batch
-    is sent after another's has its lines tokenized (claimable) after the other's first 16, not after all of them;
-    a single request goes before both; each batch keeps its own line order.  Without fair dispatch: arrival
-    order."""
+def test_a_batch_sent_behind_another_is_tokenized_before_the_others_tail(redis_url):
+    """A batch's deeper lines go to lower broker steps (``bulk_step``), so a tenant whose batch is sent after
+    another's has its lines tokenized (claimable) after the other's first 16, not after all of them; a single
+    request goes before both; each batch keeps its own line order."""
     tag = uuid.uuid4().hex[:8]
-    s = Settings(broker_url=redis_url, key_prefix=f"fb{tag}:", queue_prefix=f"fb{tag}.", result_cache=False,
-                 fair_share=fair_share)
+    s = Settings(broker_url=redis_url, key_prefix=f"fb{tag}:", queue_prefix=f"fb{tag}.", result_cache=False)
     with Client(s, redis_url, tenant="ahead") as ahead, Client(s, redis_url, tenant="behind") as behind:
         first = ahead.submit_batch(batch_lines(random.randint(280, 340), "a"))
         second = behind.submit_batch(batch_lines(random.randint(5, 15), "b"))
@@ -356,10 +353,7 @@ def test_a_batch_sent_behind_another_is_tokenized_before_the_others_tail(redis_u
     assert sorted(order) == sorted([*a_ids, *b_ids, single])
     at = {job: i for i, job in enumerate(order)}
     assert [j for j in order if j in set(a_ids)] == a_ids and [j for j in order if j in set(b_ids)] == b_ids
-    if fair_share:
-        assert order[0] == single
-        last_b = max(at[j] for j in b_ids)
-        assert last_b < at[a_ids[16]]  # all of b's lines (fewer than 16) before a's 17th
-        assert min(at[j] for j in a_ids[256:]) > last_b
-    else:
-        assert order == [*a_ids, *b_ids, single]
+    assert order[0] == single
+    last_b = max(at[j] for j in b_ids)
+    assert last_b < at[a_ids[16]]  # all of b's lines (fewer than 16) before a's 17th
+    assert min(at[j] for j in a_ids[256:]) > last_b

@@ -244,8 +244,7 @@ def deployment(broker, tmp_path_factory):
     """Two GPU workers (the second's clock +60 s) and a CPU worker on this module's broker; a client."""
     prefix = f"pls{uuid.uuid4().hex[:6]}"
     s = Settings(broker_url=broker.url, key_prefix=f"{prefix}:", queue_prefix=f"{prefix}.", result_cache=False,
-                 kv_cache_memory="256MiB", progress_interval_s=0.5, worker_ttl_s=LEASE, worker_max_inflight=2,
-                 max_num_seqs=4)
+                 kv_cache_memory="256MiB", progress_interval_s=0.5, worker_ttl_s=LEASE, max_num_seqs=4)
     with Stack(s, log_dir=tmp_path_factory.mktemp("lease-logs")) as stack, Client(s, stack.url) as client:
         skewed = stack.add_worker("gpu", extra_env={"PAGEDQ_CLOCK_OFFSET_S": "60"})
         stack.wait_ready(600, [skewed])

@@ -39,7 +39,7 @@ HISTOGRAMS = ("pagedq_request_queue_time_seconds", "pagedq_time_to_first_token_s
 @pytest.fixture(scope="module")
 def settings(redis_url) -> Settings:  # the conftest's `stack` and `client` fixtures run on these
     return Settings(broker_url=redis_url, key_prefix=f"{PREFIX}:", queue_prefix=f"{PREFIX}.", max_num_seqs=8,
-                    worker_max_inflight=8, kv_cache_memory="128MiB", progress_interval_s=0.5,
+                    kv_cache_memory="128MiB", progress_interval_s=0.5,
                     metrics_port=free_port())
 
 

@@ -1,4 +1,4 @@
-"""Cache-aware placement through the real queue (``PAGEDQ_PLACEMENT=true`` with fair dispatch): two GPU workers
+"""Cache-aware placement through the real queue (always on): two GPU workers
 pull from one model queue; a conversation's next turn runs on the worker whose prefix cache holds its history,
 and when that worker is killed -9 mid-run every turn completes once on the other.
 
@@ -31,7 +31,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def settings(redis_url) -> Settings:
     return Settings(broker_url=redis_url, key_prefix="ppl:", queue_prefix="ppl.", result_cache=False,
-                    kv_cache_memory="256MiB", fair_share=True, placement=True, placement_steal_s=8.0,
+                    kv_cache_memory="256MiB", placement_steal_s=8.0,
                     max_num_seqs=8, worker_ttl_s=6, drain_timeout_s=1, send_grace_s=5)
 
 

@@ -2,7 +2,7 @@
 
 One GPU worker (``pagedq worker``) and one CPU worker (``pagedq cpu-worker``)
 serve the whole module.  The GPU worker
-holds at most 9 jobs (``worker_max_inflight=9``, ``max_num_seqs=9``); the
+runs at most 9 jobs at once (``max_num_seqs=9``); the
 priority test swaps in one that holds 4.  Everything uses the prefixes ``pqt:`` / ``pqt.`` on the
 session's Redis.
 """
@@ -39,7 +39,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def settings(redis_url) -> Settings:
     # result_cache off: these tests repeat requests and need each one to reach the engine
     return Settings(broker_url=redis_url, key_prefix="pqt:", queue_prefix="pqt.", result_cache=False, max_num_seqs=9,
-                    worker_max_inflight=9, kv_cache_memory="256MiB", progress_interval_s=0.5)
+                    kv_cache_memory="256MiB", progress_interval_s=0.5)
 
 
 def gpu_worker(stack: Stack):
@@ -290,7 +290,7 @@ def test_malformed_messages_are_logged_and_crash_nothing(client, stack):
 # --- priority, continuous batching, cancel ------------------------------------------------------
 def test_high_priority_job_overtakes_queued_low_priority_jobs(client, stack):
     wait_idle(client, stack)
-    with gpu_worker_with(stack, worker_max_inflight=4, max_num_seqs=4):  # saturated by 4 jobs
+    with gpu_worker_with(stack, max_num_seqs=4):  # saturated by 4 jobs
         lows = [client.submit(prompt="Count: 1, 2, 3,", max_tokens=32, priority=0, **GREEDY) for _ in range(100)]
         high = client.submit(prompt="Say hi.", max_tokens=4, priority=9, **GREEDY)
         client.result(high, timeout=TIMEOUT)

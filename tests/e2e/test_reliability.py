@@ -129,7 +129,7 @@ def write_without_sending(client: Client, prompt: str, max_tokens: int) -> str:
 
 def test_killed_gpu_worker_jobs_are_back_on_the_queue_within_the_lease(redis_url, tmp_path):
     """Also: a job whose message never reached the queue is found by the lost-job sweep and completes."""
-    s = settings_for(redis_url, "prk", worker_ttl_s=10, max_num_seqs=8, worker_max_inflight=8, send_grace_s=5)
+    s = settings_for(redis_url, "prk", worker_ttl_s=10, max_num_seqs=8, send_grace_s=5)
     with Stack(s, log_dir=tmp_path) as stack, Client(s, stack.url) as client:
         counter = DoneCounter(client.r, client.names)
         unsent = write_without_sending(client, "A job its producer never sent:", 12)

@@ -57,7 +57,7 @@ def test_pipeline_with_the_acl_files_users_and_a_producer_confined_to_its_keys(t
         with pytest.raises(redis_py.AuthenticationError):
             redis_py.Redis(host="127.0.0.1", port=port).get("pagedq:x")  # the default user is off
         settings = Settings(broker_url=worker_url, result_cache=False, kv_cache_memory="128MiB",
-                            max_num_seqs=4, worker_max_inflight=4)
+                            max_num_seqs=4)
         with Stack(settings, log_dir=tmp_path / "logs") as stack, \
                 Client(settings.model_copy(update={"broker_url": producer_url}), producer_url) as client:
             job = client.submit(prompt="Least privilege means", max_tokens=6, temperature=0, ignore_eos=True)
@@ -181,7 +181,7 @@ def test_pipeline_over_tls_with_a_generated_ca(tmp_path, capsys):
     try:
         url = f"rediss://:{password}@127.0.0.1:{port}/0"
         settings = Settings(broker_url=url, redis_ca_file=tmp_path / "ca.pem", result_cache=False,
-                            kv_cache_memory="128MiB", max_num_seqs=4, worker_max_inflight=4)
+                            kv_cache_memory="128MiB", max_num_seqs=4)
         wait_until(lambda: _tls_ping(url, settings), 20, 0.2, "the TLS redis-server")
         untrusted = Settings(broker_url=url, result_cache=False)  # the system CAs do not know our CA
         with pytest.raises(redis_py.ConnectionError):
