@@ -170,6 +170,22 @@ class Names:
         """Stream (one entry, short TTL): wakes one gateway process's shared XREAD when it follows a new job."""
         return f"{self.key_prefix}gw:follow-wake:{process}"
 
+    def response(self, response_id: str) -> str:
+        """Hash with a TTL: a stored response of the Responses API (tenant, job id, request, input items, the
+        history its chain holds), ``pipeline/gateway/responses_store.py``; its output is read from the job."""
+        return f"{self.key_prefix}gw:response:{response_id}"
+
+    @property
+    def responses_ledger(self) -> str:
+        """Hash: response id -> "<bytes> <tenant>" of every stored response (counted in the tenant's
+        ``max_stored_bytes`` beside its files)."""
+        return f"{self.key_prefix}gw:responses:ledger"
+
+    @property
+    def responses_expiry(self) -> str:
+        """Sorted set: response id -> when its ledger entry lapses (its hash's expiry)."""
+        return f"{self.key_prefix}gw:responses:expiry"
+
     def batch(self, batch_id: str) -> str:
         """Hash: counts and timestamps of a batch."""
         return f"{self.key_prefix}batch:{batch_id}"
@@ -290,6 +306,18 @@ class Names:
     @property
     def model_pattern(self) -> str:
         return f"{self.key_prefix}model:*"
+
+    @property
+    def models_index(self) -> str:
+        """Set: the names of the models GPU workers have registered (``names.model``), kept at registration, so
+        request paths list models without scanning the keyspace."""
+        return f"{self.key_prefix}models"
+
+    @property
+    def workers_index(self) -> str:
+        """Sorted set: hostname -> when its record (``names.worker``) expires (Redis clock), kept by every
+        heartbeat (members past it are dropped there), so request paths find live workers without a scan."""
+        return f"{self.key_prefix}workers"
 
     def worker(self, hostname: str) -> str:
         """Hash with a short TTL: a live worker's role, pid, readiness and engine stats."""

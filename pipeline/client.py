@@ -53,7 +53,7 @@ from pagedq.store.connection import BrokerUnavailable, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
 from pagedq.store.control import ControlChannel, configured_secret
 from pagedq.store.jobs import JobStore, now
-from pagedq.store.registry import lookup_model
+from pagedq.store.registry import ModelLookups, lookup_model, served_models
 from pagedq.store.result_cache import ResultCache, is_deterministic, request_digest
 
 log = logging.getLogger(__name__)
@@ -281,9 +281,9 @@ class Client:
         req = parse_request(url, body)
         params = to_sampling_params(req)
         req.model = req.model or self.settings.model
-        info = lookup_model(self.r, self.names, req.model)
+        info = self._models.lookup(req.model)  # remembered a second: a batch reads each model about once
         if info is None and req.model != self.settings.model:
-            raise RequestError(f"model: unknown model {req.model!r}; served: {self.served_models()}", "model",
+            raise RequestError(f"model: unknown model {req.model!r}; served: {self._models.served()}", "model",
                                code="model_not_found")
         if info is not None:
             max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
@@ -323,8 +323,13 @@ class Client:
 
     @_broker_call
     def served_models(self) -> list[str]:
-        """Names of the models GPU workers have registered."""
-        return sorted(filter(None, (self.r.hget(k, "name") for k in self.r.scan_iter(match=self.names.model_pattern))))
+        """Names of the models GPU workers have registered (``names.models_index``: no scan)."""
+        return served_models(self.r, self.names)
+
+    @functools.cached_property
+    def _models(self) -> ModelLookups:
+        """What validation reads of the registry, remembered briefly (``ModelLookups``)."""
+        return ModelLookups(self.r, self.names)
 
     def _new_job_id(self) -> str:
         return uuid.uuid4().hex

@@ -31,8 +31,22 @@ class ModelInfo:
 
 
 def register_model(r: redis.Redis, names: Names, info: ModelInfo) -> None:
+    """Record the model, and its name in ``names.models_index`` (what ``served_models`` reads)."""
     info.updated_at = time.time()
-    r.hset(names.model(info.name), mapping=asdict(info))
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(names.model(info.name), mapping=asdict(info))
+    pipe.sadd(names.models_index, info.name)
+    pipe.execute()
+
+
+def served_models(r: redis.Redis, names: Names) -> list[str]:
+    """Names of the models GPU workers have registered, from ``names.models_index`` (one SMEMBERS and one
+    pipelined read of their records, whatever the keyspace holds): a name whose record is gone is left out."""
+    members = sorted(r.smembers(names.models_index))
+    pipe = r.pipeline(transaction=False)
+    for name in members:
+        pipe.hget(names.model(name), "name")
+    return [name for name, stored in zip(members, pipe.execute(), strict=True) if stored == name]
 
 
 def lookup_model(r: redis.Redis, names: Names, model: str) -> ModelInfo | None:
@@ -45,13 +59,13 @@ def lookup_model(r: redis.Redis, names: Names, model: str) -> ModelInfo | None:
 
 
 def live_workers(r: redis.Redis, names: Names) -> dict[str, dict[str, str]]:
-    """hostname -> the worker's record, for every worker whose record has not expired."""
-    keys = list(r.scan_iter(match=names.worker_pattern, count=100))
+    """hostname -> the worker's record, for every worker whose record has not expired: the hostnames are those
+    its heartbeat keeps in ``names.workers_index`` (no scan of the keyspace)."""
+    hosts = r.zrange(names.workers_index, 0, -1)
     pipe = r.pipeline(transaction=False)
-    for key in keys:
-        pipe.hgetall(key)
-    prefix = names.worker("")
-    return {key[len(prefix):]: rec for key, rec in zip(keys, pipe.execute(), strict=True) if rec}
+    for host in hosts:
+        pipe.hgetall(names.worker(host))
+    return {host: rec for host, rec in zip(hosts, pipe.execute(), strict=True) if rec}
 
 
 def gpu_workers_serving(r: redis.Redis, names: Names, model: str) -> set[str]:
@@ -87,15 +101,29 @@ def renewed_records(r: redis.Redis, names: Names, hostnames: list[str], within_s
     return renewed
 
 
-# KEYS: the record, then keys that live as long as it. ARGV: TTL (s), then field, value, ... A beat: the fields,
-# the Redis time of this beat (``beat_at``, on the broker's clock whatever the host's), the TTL itself
-# (``ttl_s``), and the TTL refreshed, the other keys' too (those that exist).
+# KEYS: the record, the workers' index, then keys that live as long as the record. ARGV: TTL (s), the record's
+# member in the index ("": none), then field, value, ... A beat: the fields, the Redis time of this beat
+# (``beat_at``, on the broker's clock whatever the host's), the TTL itself (``ttl_s``), and the TTL refreshed,
+# the other keys' too (those that exist); in the index, the member's expiry, and members a TTL past theirs dropped.
 _BEAT = """
 local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'beat_at', string.format('%d.%06d', t[1], t[2]), 'ttl_s', ARGV[1], unpack(ARGV, 2))
-for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+local ttl = tonumber(ARGV[1])
+redis.call('HSET', KEYS[1], 'beat_at', string.format('%d.%06d', t[1], t[2]), 'ttl_s', ARGV[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ttl)
+if ARGV[2] ~= '' then
+  redis.call('ZADD', KEYS[2], tonumber(t[1]) + ttl, ARGV[2])
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(t[1]) - ttl)
+end
+for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
 return 1
 """
+
+
+def worker_index_of(record_key: str) -> tuple[str, str]:
+    """(the workers' index, the hostname) for a worker's record key (``names.worker``); ("", "") for another
+    key."""
+    prefix, sep, hostname = record_key.rpartition("worker:")
+    return (f"{prefix}workers", hostname) if sep and hostname else ("", "")
 
 
 class Heartbeat(threading.Thread):
@@ -113,12 +141,14 @@ class Heartbeat(threading.Thread):
         # set: its stepping thread refreshes it each step, but a step may outlast the TTL)
         self.also = list(also)
         self.fields = dict(fields)  # written by every beat: a record that expired (a beat missed) comes back whole
+        # A worker's record is listed in ``names.workers_index`` (``live_workers`` reads it: no scan)
+        self.index, self.member = worker_index_of(key)
         self._beat = r.register_script(_BEAT)
         self.beat()
 
     def beat(self) -> None:
         pairs = [x for k, v in {**self.fields, "updated_at": time.time()}.items() for x in (k, v)]
-        self._beat(keys=[self.key, *self.also], args=[self.ttl_s, *pairs])
+        self._beat(keys=[self.key, self.index or self.key, *self.also], args=[self.ttl_s, self.member, *pairs])
 
     def update(self, **fields) -> None:
         """Change fields of the record (e.g. ``ready``), now and in every later beat."""
@@ -132,3 +162,29 @@ class Heartbeat(threading.Thread):
                 self.beat()
             except redis.RedisError:
                 pass  # the broker is away; the record expires, and comes back with it
+
+
+class ModelLookups:
+    """``lookup_model`` and ``served_models`` remembered for ``ttl_s``: a producer validating a batch of 50,000
+    lines naming one model (known or not) reads its record about once a second, not once a line."""
+
+    def __init__(self, r: redis.Redis, names: Names, ttl_s: float = 1.0) -> None:
+        self.r, self.names, self.ttl_s = r, names, ttl_s
+        self._infos: dict[str, tuple[float, ModelInfo | None]] = {}
+        self._served: tuple[float, list[str]] = (-ttl_s, [])
+
+    def lookup(self, model: str) -> ModelInfo | None:
+        at, info = self._infos.get(model, (-self.ttl_s, None))
+        if time.monotonic() - at >= self.ttl_s:
+            if len(self._infos) > 1024:  # names come from requests: keep the memo small
+                self._infos.clear()
+            info = lookup_model(self.r, self.names, model)
+            self._infos[model] = (time.monotonic(), info)
+        return info
+
+    def served(self) -> list[str]:
+        at, models = self._served
+        if time.monotonic() - at >= self.ttl_s:
+            models = served_models(self.r, self.names)
+            self._served = (time.monotonic(), models)
+        return list(models)

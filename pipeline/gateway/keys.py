@@ -47,6 +47,12 @@ class Tenant:
     max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES  # bytes of files kept at once: uploads and batch output
     max_files: int = DEFAULT_MAX_FILES  # files kept at once (a batch holds two places for its output files)
     weight: float = 1.0  # share of service within a priority band, relative to other tenants' weights
+    cache_group: str | None = None  # tenants that may share cached answers and prompt blocks; None: its own
+
+    @property
+    def cache_scope(self) -> str:
+        """Whose cached answers and prompt blocks this tenant's requests may use (``cache_salt``)."""
+        return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.name}"
 
 
 ANONYMOUS = Tenant("default")  # every request, when the gateway runs without a keys file (loopback only)
@@ -62,6 +68,7 @@ class _KeyEntry(BaseModel):
     max_stored_bytes: Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)] = DEFAULT_MAX_STORED_BYTES
     max_files: Annotated[int, Field(ge=0)] = DEFAULT_MAX_FILES
     weight: Annotated[float, Field(gt=0, le=1e6)] = 1.0
+    cache_group: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$")] | None = None
 
 
 class _KeysFile(BaseModel):
@@ -100,7 +107,7 @@ class KeyRing:
         for entry in entries:
             tenant = first.setdefault(entry.tenant, Tenant(entry.tenant, entry.max_priority, entry.rpm,
                                                            entry.max_queued, entry.max_stored_bytes,
-                                                           entry.max_files, entry.weight))
+                                                           entry.max_files, entry.weight, entry.cache_group))
             by_hash[entry.sha256.lower()] = tenant
         return cls(by_hash)
 

@@ -29,9 +29,10 @@ from pagedq.pipeline.gateway.keys import ANONYMOUS, KeyRing, Tenant
 from pagedq.pipeline.gateway.limits import TenantLimits
 from pagedq.store.connection import async_redis_client, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
-from pagedq.store.registry import live_workers
+from pagedq.store.registry import ModelLookups, live_workers
 
 LIVENESS_CACHE_S = 2.0  # how long "a worker serves model M" is believed without looking again
+READY_CACHE_S = 1.0  # how long the ready workers' counts are believed without looking again
 ASYNC_POOL_SIZE = 64  # asyncio Redis connections per gateway process; a call waits for a free one
 
 
@@ -83,6 +84,8 @@ class Gateway:
         self._follower: Follower | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, tuple[float, bool]] = {}
+        self._ready: tuple[float, dict[str, int]] = (-READY_CACHE_S, {})
+        self._models = ModelLookups(self.r, self.names)
 
     def close(self) -> None:
         self.client.close()
@@ -177,12 +180,20 @@ class Gateway:
 
     # --- workers ----------------------------------------------------------------------------------------
     def ready_workers(self) -> dict[str, int]:
-        """Ready GPU workers per model, from their heartbeat records."""
-        counts: dict[str, int] = {}
-        for rec in live_workers(self.r, self.names).values():
-            if rec.get("role") == "gpu" and rec.get("ready") == "1" and rec.get("model"):
-                counts[rec["model"]] = counts.get(rec["model"], 0) + 1
-        return counts
+        """Ready GPU workers per model, from their heartbeat records (read from the workers' index, no scan; at
+        most every READY_CACHE_S: ``/ready`` is unauthenticated and polled)."""
+        at, counts = self._ready
+        if time.monotonic() - at >= READY_CACHE_S:
+            counts = {}
+            for rec in live_workers(self.r, self.names).values():
+                if rec.get("role") == "gpu" and rec.get("ready") == "1" and rec.get("model"):
+                    counts[rec["model"]] = counts.get(rec["model"], 0) + 1
+            self._ready = (time.monotonic(), counts)
+        return dict(counts)
+
+    def served_models(self) -> list[str]:
+        """The registered models (``/v1/models``), remembered a second (``ModelLookups``)."""
+        return self._models.served()
 
     def serves(self, model: str) -> bool:
         """Whether a ready GPU worker serves ``model`` (looked up at most every LIVENESS_CACHE_S)."""

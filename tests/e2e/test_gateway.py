@@ -43,7 +43,7 @@ from pagedq.pipeline.gateway.config import HANDOFF_VARIABLE, KEYS_FILE_VARIABLE,
 from pagedq.pipeline.gateway.keys import hash_key
 from pagedq.pipeline.local.stack import settings_env
 from pagedq.store.connection import redis_client
-from pagedq.store.registry import ModelInfo, register_model
+from pagedq.store.registry import Heartbeat, ModelInfo, register_model
 from pagedq.workers.processes import free_port, spawn, stop
 
 TIMEOUT = 120
@@ -474,7 +474,7 @@ def schema_app(redis_url):
     names, r = Names.from_settings(settings), redis_client(redis_url)
     register_model(r, names, ModelInfo(name=settings.model, fingerprint="none", max_model_len=2048,
                                        vocab_size=49152, queue=names.generate_queue(settings.model)))
-    r.hset(names.worker("gpu.absent@test"), mapping={"role": "gpu", "model": settings.model, "ready": 1})
+    Heartbeat(r, names.worker("gpu.absent@test"), {"role": "gpu", "model": settings.model, "ready": 1}, ttl_s=3600)
     yield create_app(settings, redis_url, GatewayConfig(max_file_bytes=1 << 20))
     for key in r.scan_iter(match="pgs:*", count=1000):
         r.delete(key)

@@ -27,7 +27,7 @@ from pagedq.config import Settings
 from pagedq.config.names import Names
 from pagedq.pipeline.client import Client
 from pagedq.store.connection import redis_client
-from pagedq.store.registry import ModelInfo, register_model
+from pagedq.store.registry import Heartbeat, ModelInfo, register_model
 from pagedq.workers.processes import free_port, stop
 
 CHAT = "/v1/chat/completions"
@@ -109,7 +109,7 @@ def test_past_the_limit_503_with_retry_after_and_no_job(redis_url, tmp_path):
     names, r = Names.from_settings(settings), redis_client(redis_url)
     register_model(r, names, ModelInfo(name=settings.model, fingerprint="none", max_model_len=2048,
                                        vocab_size=49152, queue=names.generate_queue(settings.model)))
-    r.hset(names.worker("gpu.absent@test"), mapping={"role": "gpu", "model": settings.model, "ready": 1})
+    Heartbeat(r, names.worker("gpu.absent@test"), {"role": "gpu", "model": settings.model, "ready": 1}, ttl_s=3600)
     base, proc = serve(settings, redis_url, tmp_path, "--limit-concurrency", "2")
     client = Client(settings, redis_url)
 

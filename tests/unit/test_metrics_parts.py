@@ -253,8 +253,9 @@ def deployment(redis, names) -> dict:
                                                      "metrics_port": 9400, "updated_at": now})
     redis.hset(names.worker("cpu0.2@hostB"), mapping={"role": "cpu", "pid": 12, "ready": 1,
                                                      "updated_at": now})
-    for key in (names.worker("gpu0.1@hostA"), names.worker("cpu0.2@hostB")):
-        redis.expire(key, 60)
+    for host in ("gpu0.1@hostA", "cpu0.2@hostB"):
+        redis.expire(names.worker(host), 60)
+        redis.zadd(names.workers_index, {host: time.time() + 60})  # as their heartbeats list them
     return {"queue": queue, "waiting": waiting}
 
 

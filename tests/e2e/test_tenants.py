@@ -1,0 +1,139 @@
+"""Tenants cannot see or slow each other (issue 48), through the real pipeline.
+
+One stack (a small random Llama with SmolLM2's tokenizer, 2 layers; real redis-server, GPU and CPU worker
+processes; prefixes ``ptn:`` / ``ptn.``) and one ``pagedq serve`` process with a keys file of four tenants,
+two of them sharing a cache group:
+
+- request paths never scan the keyspace: Redis's own ``INFO commandstats`` counts no ``SCAN`` / ``KEYS``
+  around 1,000 completions, a 1,000-line batch naming an unknown model, and 100 ``/ready`` calls;
+- caches are private: tenant B replaying tenant A's greedy prompt gets no ``cached`` answer and 0
+  ``cached_tokens``, while A itself (and a tenant in A's cache group) hits both caches as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+from queue_helpers import wait_until
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pagedq.config import Settings
+from pagedq.pipeline import Client
+from pagedq.pipeline.gateway.config import HANDOFF_VARIABLE, KEYS_FILE_VARIABLE
+from pagedq.pipeline.gateway.keys import hash_key
+from pagedq.pipeline.local.stack import settings_env
+from pagedq.workers.processes import free_port, spawn, stop
+
+TIMEOUT = 120
+CHAT = "/v1/chat/completions"
+TENANTS = {  # API key -> its keys-file entry
+    "sk-a": {"tenant": "team-a"},
+    "sk-b": {"tenant": "team-b"},
+    "sk-c1": {"tenant": "team-c1", "cache_group": "team-c"},
+    "sk-c2": {"tenant": "team-c2", "cache_group": "team-c"},
+}
+WORDS = "river stone lantern orchard copper meadow harbor violet thunder cedar quartz ember".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from engine_fixtures import engine
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    engine().tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def settings(redis_url, model_dir) -> Settings:
+    return Settings(broker_url=redis_url, key_prefix="ptn:", queue_prefix="ptn.", model=str(model_dir),
+                    kv_cache_memory="64MiB", progress_interval_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def gateway(settings, stack, tmp_path_factory) -> str:
+    """The base URL of a `pagedq serve` process with the TENANTS keys file."""
+    folder = tmp_path_factory.mktemp("gateway")
+    keys = folder / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"sha256": hash_key(k), **v} for k, v in TENANTS.items()]}))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in (KEYS_FILE_VARIABLE, HANDOFF_VARIABLE)}
+    env = {**env, **settings_env(settings), "PAGEDQ_BROKER_URL": stack.url}
+    log_path = folder / "gateway.log"
+    proc = spawn([sys.executable, "-m", "pagedq.pipeline.cli", "serve", "--port", str(port),
+                  "--api-keys-file", str(keys)], log_path, env)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, f"the gateway exited with {proc.returncode}: {log_path.read_text()}"
+        try:
+            return httpx.get(f"{base}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        wait_until(healthy, 90, 0.2, "the gateway to answer /ready")
+        yield base
+    finally:
+        stop(proc, 30)
+
+
+def scans(client: Client) -> int:
+    """SCAN and KEYS calls the server has run, by anyone (scripts' calls included)."""
+    stats = client.r.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{cmd}", {}).get("calls", 0)) for cmd in ("scan", "keys"))
+
+
+def phrase(n: int) -> str:
+    return " ".join(random.choice(WORDS) for _ in range(n))
+
+
+def chat(base: str, key: str, content: str, **fields) -> dict:
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 4, **fields}
+    reply = httpx.post(base + CHAT, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def cached_tokens(result: dict) -> int:
+    return result["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+# --- no scans on request paths ----------------------------------------------------------------------------
+def test_request_paths_issue_no_scan(client, gateway):
+    """1,000 completions (50 computed, 950 answered from the result cache; through the Client and HTTP), a
+    1,000-line batch naming an unknown model, 100 /ready calls: not one SCAN or KEYS on the server."""
+    prompts = [phrase(6) for _ in range(50)]
+    before = scans(client)
+    computed = [client.submit([{"role": "user", "content": p}], temperature=0, max_tokens=1) for p in prompts]
+    assert all(client.result(j, timeout=TIMEOUT)["usage"]["completion_tokens"] == 1 for j in computed)
+    hits = [client.submit([{"role": "user", "content": prompts[i % 50]}], temperature=0, max_tokens=1)
+            for i in range(900)]
+    assert all(client.result(j, timeout=TIMEOUT).get("cached") for j in hits[-10:])
+    for i in range(50):  # HTTP: team-a's own scope, computed once then hits
+        chat(gateway, "sk-a", prompts[0], max_tokens=1)
+    lines = [{"custom_id": f"l{i}", "url": CHAT, "body": {"model": "no-such-model", "max_tokens": 1,
+                                                          "messages": [{"role": "user", "content": phrase(3)}]}}
+             for i in range(1000)]
+    batch = client.submit_batch(lines)
+    status = client.wait_batch(batch, timeout=TIMEOUT)
+    out = client.batch_results(batch)
+    for _ in range(100):
+        assert httpx.get(f"{gateway}/ready", timeout=10).status_code == 200
+    after = scans(client)
+    assert status.failed == 1000
+    error = out[0]["error"]
+    assert error["code"] == "model_not_found" and repr(client.settings.model) in error["message"]
+    assert after == before, f"{after - before} SCAN/KEYS calls on request paths"
+    assert client.served_models() == [client.settings.model]
