@@ -16,6 +16,10 @@ from pagedq.kernels.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
+    """``window``: attend to the last ``window`` positions only (sliding-window layers); ``softcap``: Gemma 2's
+    ``tanh(scores / softcap) * softcap``.  A backend without ``supports_window_softcap`` leaves such layers to
+    the PyTorch path (same cache layout)."""
+
     name: str
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -32,6 +36,7 @@ class TorchPagedAttention:
     """The CPU path: vectorised PyTorch (``torch_attention.py``)."""
 
     name = "torch"
+    supports_window_softcap = True
 
     def __init__(self) -> None:
         self.workspace = torch_attention.Workspace()
@@ -39,37 +44,58 @@ class TorchPagedAttention:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         torch_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        buckets = meta.plan.get("decode_buckets")
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        key = "decode_buckets" if window is None else f"decode_buckets_{window}"
+        buckets = meta.plan.get(key)
         if buckets is None:
             buckets = torch_attention.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
-                                                  k_cache.shape[1], q.dtype)
-            meta.plan["decode_buckets"] = buckets
+                                                  k_cache.shape[1], q.dtype, window)
+            meta.plan[key] = buckets
         return torch_attention.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                meta.decode_context_lens, scale, buckets, self.workspace)
+                                                meta.decode_context_lens, scale, buckets, self.workspace, softcap)
 
-    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        buckets = meta.plan.get("prefill_buckets")
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        key = "prefill_buckets" if window is None else f"prefill_buckets_{window}"
+        buckets = meta.plan.get(key)
         if buckets is None:
             buckets = torch_attention.plan_prefill(meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                   meta.prefill_block_tables, k_cache.shape[1], q.dtype)
-            meta.plan["prefill_buckets"] = buckets
+                                                   meta.prefill_block_tables, k_cache.shape[1], q.dtype, window)
+            meta.plan[key] = buckets
         return torch_attention.prefill_attention(q, k_cache, v_cache, meta.prefill_cu_seqlens_q,
                                                  meta.prefill_context_lens, meta.prefill_block_tables, scale,
-                                                 buckets, self.workspace)
+                                                 buckets, self.workspace, softcap)
+
+
+_fallback: TorchPagedAttention | None = None
+
+
+def _attend_with(backend: AttentionBackend, window: int | None, softcap: float | None):
+    """The backend that attends: ``backend`` itself, or the PyTorch path for what it cannot do."""
+    global _fallback
+    if window is None and softcap is None:
+        return backend, {}
+    if getattr(backend, "supports_window_softcap", False):
+        return backend, {"window": window, "softcap": softcap}
+    if _fallback is None:
+        _fallback = TorchPagedAttention()
+    return _fallback, {"window": window, "softcap": softcap}
 
 
 def paged_attention(backend: AttentionBackend, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend: decodes first, prefills after."""
     backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    attend, kw = _attend_with(backend, window, softcap)
     nd = meta.num_decode_tokens
     if meta.num_prefills == 0:
-        return backend.decode(q, k_cache, v_cache, meta, scale)
+        return attend.decode(q, k_cache, v_cache, meta, scale, **kw)
     if nd == 0:
-        return backend.prefill(q, k_cache, v_cache, meta, scale)
-    return torch.cat([backend.decode(q[:nd], k_cache, v_cache, meta, scale),
-                      backend.prefill(q[nd:], k_cache, v_cache, meta, scale)])
+        return attend.prefill(q, k_cache, v_cache, meta, scale, **kw)
+    return torch.cat([attend.decode(q[:nd], k_cache, v_cache, meta, scale, **kw),
+                      attend.prefill(q[nd:], k_cache, v_cache, meta, scale, **kw)])
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:

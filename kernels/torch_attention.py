@@ -43,7 +43,8 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                dtype: torch.dtype = torch.float32) -> list[DecodeBucket]:
+                dtype: torch.dtype = torch.float32, window: int | None = None) -> list[DecodeBucket]:
+    """Buckets of similar-length sequences; ``window``: attend to the last ``window`` positions only."""
     lens = context_lens.tolist()
     blocks_needed = [(n + block_size - 1) // block_size for n in lens]
     buckets: list[DecodeBucket] = []
@@ -58,7 +59,10 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
             low, high, end = new_low, new_high, end + 1
         table = block_tables[start:end, :high]
         positions = torch.arange(high * block_size, device=context_lens.device)
-        mask = additive_mask(positions[None, :] < context_lens[start:end, None], dtype)
+        allowed = positions[None, :] < context_lens[start:end, None]
+        if window is not None:  # the query sits at context_len - 1; keys older than window - 1 drop out
+            allowed &= positions[None, :] > context_lens[start:end, None] - 1 - window
+        mask = additive_mask(allowed, dtype)
         buckets.append(DecodeBucket(start, end, high, table.reshape(-1), mask[:, None, None, :]))
         start = end
     return buckets
@@ -74,7 +78,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | No
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, buckets: list[DecodeBucket] | None = None,
-                     workspace: Workspace | None = None) -> torch.Tensor:
+                     workspace: Workspace | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence: ``q [num_seqs, heads, head_dim]`` -> same shape."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
@@ -89,7 +93,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v = _gather(v_cache, b.block_ids, v_rows).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads sharing a KV head become that head's "query rows": each K/V block is read once.
         q_groups = q[b.start:b.end].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q_groups, k, v, attn_mask=b.key_mask, scale=scale)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q_groups, k, v, attn_mask=b.key_mask, scale=scale)
+        else:
+            o = softcapped_attention(q_groups.unsqueeze(3), k, v, b.key_mask.unsqueeze(1), scale, softcap).squeeze(3)
         out[b.start:b.end] = o.reshape(n, num_heads, head_dim)
     return out
 
@@ -107,7 +114,7 @@ class PrefillBucket:
 
 
 def plan_prefill(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                 block_size: int, dtype: torch.dtype = torch.float32) -> list[PrefillBucket]:
+                 block_size: int, dtype: torch.dtype = torch.float32, window: int | None = None) -> list[PrefillBucket]:
     """Group neighbouring sequences whose padded [queries x keys] stays close to their real size."""
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
     q_lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
@@ -121,12 +128,13 @@ def plan_prefill(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_t
                 break
             last, real = last + 1, grown
         buckets.append(_prefill_bucket(first, last, cu, q_lens, ctx, block_tables, block_size, dtype,
-                                       context_lens.device))
+                                       context_lens.device, window))
         first = last
     return buckets
 
 
-def _prefill_bucket(first, last, cu, q_lens, ctx, block_tables, block_size, dtype, device) -> PrefillBucket:
+def _prefill_bucket(first, last, cu, q_lens, ctx, block_tables, block_size, dtype, device,
+                    window: int | None = None) -> PrefillBucket:
     lens_q = torch.tensor(q_lens[first:last], device=device)
     lens_k = torch.tensor(ctx[first:last], device=device)
     max_q, num_blocks = max(q_lens[first:last]), -(-max(ctx[first:last]) // block_size)
@@ -135,6 +143,8 @@ def _prefill_bucket(first, last, cu, q_lens, ctx, block_tables, block_size, dtyp
     query_pos = (lens_k - lens_q)[:, None] + row[None, :]  # absolute position of each query
     key_pos = torch.arange(num_blocks * block_size, device=device)
     allowed = key_pos[None, None, :] <= query_pos[:, :, None]
+    if window is not None:
+        allowed &= key_pos[None, None, :] > query_pos[:, :, None] - window
     allowed |= ~valid[:, :, None] & (key_pos == 0)  # padded query rows attend somewhere, and are dropped
     return PrefillBucket(first, last, cu[first], cu[last], max_q,
                          block_tables[first:last, :num_blocks].reshape(-1),
@@ -144,7 +154,7 @@ def _prefill_bucket(first, last, cu, q_lens, ctx, block_tables, block_size, dtyp
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, buckets: list[PrefillBucket] | None = None,
-                      workspace: Workspace | None = None) -> torch.Tensor:
+                      workspace: Workspace | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context.
 
     ``q [total_q, heads, head_dim]``; sequence ``s`` owns rows
@@ -168,10 +178,28 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         else:  # scatter the ragged queries into [n, max_q]
             q_pad = q.new_zeros(n, b.max_q, num_heads, head_dim)
             q_pad[b.valid] = rows
-        o = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=b.mask, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads).transpose(1, 2)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=b.mask, scale=scale,
+                                               enable_gqa=num_heads != num_kv_heads).transpose(1, 2)
+        else:
+            groups = q_pad.reshape(n, b.max_q, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1, 4)
+            o = softcapped_attention(groups, k, v, b.mask.unsqueeze(1), scale, softcap)
+            o = o.reshape(n, num_heads, b.max_q, head_dim).transpose(1, 2)
         out[b.q_start:b.q_end] = o[0] if b.valid is None else o[b.valid]
     return out
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's ``tanh(scores / cap) * cap`` on the scores, which SDPA cannot apply.
+
+    ``q [n, kv_heads, group, q_len, d]``, ``k``/``v [n, kv_heads, keys, d]``, ``mask`` additive, broadcast to
+    ``[n, kv_heads, group, q_len, keys]``.  The operations follow transformers' eager attention.
+    """
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(2))
 
 
 class Workspace:

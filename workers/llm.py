@@ -28,9 +28,11 @@ from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import Executor
 from pagedq.workers.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput, choice_ids
 from pagedq.workers.grammar import GrammarBackend, GrammarState
-from pagedq.workers.model.llama import CausalLM, ModelConfig, load_weights
+from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.loader import resolve_model
+from pagedq.workers.model.registry import build_model
 from pagedq.workers.model.runner import LocalExecutor, ModelRunner, kv_cache_block_bytes, pick_device
+from pagedq.workers.model.weights import load_weights
 from pagedq.workers.parallel.distributed import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ class LLM:
 
             return PipelineExecutor.start(self.cfg, weights, model_name, s, self.device, self.dtype)
         attention = get_attention_backend(s.attention_backend, self.device)
-        model = CausalLM(self.cfg, weights, device=self.device, dtype=self.dtype, attention=attention)
+        model = build_model(self.cfg, weights, device=self.device, dtype=self.dtype, attention=attention)
         num_blocks = s.num_kv_blocks or s.kv_cache_memory // kv_cache_block_bytes(
             self.cfg, len(model.layers), s.block_size, self.dtype)
         if num_blocks < 2:

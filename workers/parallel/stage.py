@@ -21,9 +21,11 @@ from pagedq.config import Settings
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.kernels import get_attention_backend
 from pagedq.workers.engine.sequence import Sequence
-from pagedq.workers.model.llama import CausalLM, ModelConfig, load_weights
+from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.loader import resolve_model
+from pagedq.workers.model.registry import build_model
 from pagedq.workers.model.runner import ModelRunner, pick_device, unpack_step
+from pagedq.workers.model.weights import load_weights
 from pagedq.workers.parallel.distributed import (
     BusyLog,
     Kind,
@@ -94,7 +96,7 @@ def load_stage(replica: Replica, model: str, settings: Settings) -> ModelRunner:
         raise ValueError(f"model {model!r} at {source.path} is not the model the driver serves ({spec.model})")
     dtype = getattr(torch, spec.dtype)
     attention = get_attention_backend(spec.attention_backend, replica.device)
-    lm = CausalLM(cfg, load_weights(source.path), replica.layer_range, device=replica.device, dtype=dtype,
+    lm = build_model(cfg, load_weights(source.path), replica.layer_range, device=replica.device, dtype=dtype,
                   attention=attention, shard=replica.shard(cfg))
     return ModelRunner(lm, spec.num_blocks, spec.block_size, replica.device, dtype)
 
