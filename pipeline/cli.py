@@ -45,6 +45,15 @@ def _settings(args: argparse.Namespace, flags: tuple[str, ...] = ENGINE_FLAGS) -
         raise CliError(_first_line(e)) from None
 
 
+def _verify_broker(settings: Settings, consumer: bool = True) -> None:
+    """Check the broker (maxmemory-policy, version, not Cluster, the user's permissions) before anything starts
+    or loads a model: an unsuitable one is refused with one line (``store/redis_check.py``)."""
+    from pagedq.store.connection import broker_url
+    from pagedq.store.redis_check import verify_broker
+
+    verify_broker(broker_url(settings), settings, consumer)
+
+
 def _first_line(e: Exception) -> str:
     errors = getattr(e, "errors", None)
     if callable(errors):
@@ -63,6 +72,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
         summary = run_offline(Path(args.input), Path(args.output), settings, args.model)
     else:
+        if settings.broker_url:  # an existing broker; an embedded one is pagedq's own, configured right
+            _verify_broker(settings)
         from pagedq.pipeline.queued_batch import run_queued
 
         summary = run_queued(Path(args.input), args.output, settings, args.model)
@@ -74,6 +85,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pagedq.workers.cpu_budget import set_omp_spin_count
 
     settings = _settings(args)
+    _verify_broker(settings)
     set_omp_spin_count(settings.omp_spin_count)  # before torch loads libgomp
     from pagedq.workers.gpu_worker import run_worker
 
@@ -83,7 +95,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_cpu_worker(args: argparse.Namespace) -> int:
     from pagedq.pipeline.cpu_worker import run_cpu_worker
 
-    return _run_worker_process(lambda: run_cpu_worker(_settings(args), args.hostname, args.loglevel))
+    settings = _settings(args)
+    _verify_broker(settings)
+    return _run_worker_process(lambda: run_cpu_worker(settings, args.hostname, args.loglevel))
 
 
 def _run_worker_process(run) -> int:
@@ -115,6 +129,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError("--replicas and --sentinels go together: a Sentinel topology needs both (e.g. 1 and 3)")
     if args.replicas and settings.broker_url:
         raise CliError("--replicas/--sentinels start a local Sentinel topology; PAGEDQ_BROKER_URL is set")
+    if settings.broker_url:  # an existing broker; an embedded one is pagedq's own, configured right
+        _verify_broker(settings)
     stack = Stack(settings, args.model, args.gpu_workers, args.cpu_workers, loglevel=args.loglevel,
                   reuse_workers=True, replicas=args.replicas, sentinels=args.sentinels,
                   down_after_ms=args.down_after_ms)
@@ -143,8 +159,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedq.pipeline.gateway.serve import serve
 
-    return serve(_settings(args, (*ENGINE_FLAGS, "gateway_limit_concurrency")), args.host, args.port, args.workers,
-                 args.log_level,
+    settings = _settings(args, (*ENGINE_FLAGS, "gateway_limit_concurrency"))
+    _verify_broker(settings, consumer=False)
+    return serve(settings, args.host, args.port, args.workers, args.log_level,
                  api_keys_file=args.api_keys_file, max_request_bytes=args.max_request_bytes,
                  max_file_bytes=args.max_file_bytes)
 
@@ -636,6 +653,7 @@ def _user_error(e: Exception) -> tuple[int | None, str]:
     from pagedq.pipeline.client import JobFailedError, JobNotFoundError
     from pagedq.pipeline.protocol import RequestError
     from pagedq.store.connection import BrokerNotFoundError, BrokerUnavailable
+    from pagedq.store.redis_check import RedisUnsuitable
 
     if isinstance(e, RequestError):
         return 2, str(e) if e.param and str(e).startswith(e.param) else f"{e.param or 'request'}: {e}"
@@ -643,7 +661,7 @@ def _user_error(e: Exception) -> tuple[int | None, str]:
         return 1, f"job_id: no job {e.args[0]} (unknown, or its record expired)"
     if isinstance(e, JobFailedError):
         return 1, f"job: {e}"
-    if isinstance(e, (BrokerNotFoundError, BrokerUnavailable)):
+    if isinstance(e, (BrokerNotFoundError, BrokerUnavailable, RedisUnsuitable)):
         return 1, f"broker: {e}"
     if isinstance(e, TimeoutError):
         return 1, f"timeout: {e}"
