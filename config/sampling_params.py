@@ -36,6 +36,9 @@ class SamplingParams:
     constraint: list[str] | None = None
     # Token id -> bias added to its logit after the penalties (OpenAI's logit_bias); ids < the vocabulary.
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Whose prefix-cache blocks the prompt may reuse (vLLM's ``cache_salt``): part of every block's name
+    # (``workers.engine.block_hash``); "": the unsalted blocks.  The gateway sets it to the tenant's scope.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.logit_bias:  # JSON (a stage's copy of the params) turns the token ids into strings

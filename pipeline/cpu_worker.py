@@ -143,7 +143,7 @@ def prompt_blocks(job: GenerateJob, info: ModelInfo) -> list[str]:
     (``workers.engine.block_hash``, the registered block size and weights); [] while that is not known."""
     if info.block_size <= 0:
         return []
-    key = cache_key(info.name, info.fingerprint)
+    key = cache_key(info.name, info.fingerprint, job.params.cache_salt)
     return [h.hex() for h in prefix_hashes(job.prompt_token_ids, info.block_size, key, MAX_PLACEMENT_BLOCKS)]
 
 

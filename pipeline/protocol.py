@@ -10,6 +10,7 @@ fit a 64-bit generator, floats are finite, strings are valid Unicode).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
@@ -53,6 +54,7 @@ DEFAULT_MAX_TOKENS = 256
 MAX_INT = 2**31 - 1  # token ids, counts: what a tensor index holds
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 MAX_CHOICES = 128  # n, as OpenAI bounds it
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt
 
 
 def _valid_unicode(text: str) -> str:
@@ -166,6 +168,9 @@ class SamplingFields(BaseModel):
     service_tier: Text | None = _ignored()
     prompt_cache_key: Text | None = _ignored()
     safety_identifier: Text | None = _ignored()
+    # vLLM's: requests with different salts share no cached answer nor prompt block.  Behind the gateway it is
+    # always set: to the tenant's cache scope hashed with the request's own salt (``scoped_cache_salt``).
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -313,7 +318,18 @@ def to_sampling_params(req: AnyRequest) -> SamplingParams:
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop or [],
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
-        constraint=req.constraint, logit_bias={int(k): b for k, b in (req.logit_bias or {}).items()})
+        constraint=req.constraint, logit_bias={int(k): b for k, b in (req.logit_bias or {}).items()},
+        cache_salt=req.cache_salt or "")
+
+
+def scoped_cache_salt(scope: str, salt: Any) -> Any:
+    """The ``cache_salt`` a request of cache scope ``scope`` (a tenant, or the cache group its keys share) runs
+    with: the scope and the request's own salt hashed together, so no request of another scope, whatever salt
+    it sends, shares its cached answers or prompt blocks.  A salt the schema refuses is returned as it is, for
+    the schema to name."""
+    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= MAX_CACHE_SALT and _is_unicode(salt)):
+        return salt
+    return hashlib.sha256(f"{scope}\n{salt or ''}".encode()).hexdigest()
 
 
 def request_body(req: AnyRequest) -> dict:

@@ -51,7 +51,7 @@ from pagedq.pipeline.gateway.keys import DEFAULT_MAX_FILES, DEFAULT_MAX_STORED_B
 from pagedq.pipeline.gateway.limits import TenantLimits
 from pagedq.pipeline.gateway.shapes import BatchObject, RequestCounts, list_page
 from pagedq.pipeline.postprocess import batch_output_line
-from pagedq.pipeline.protocol import RequestError, Text, split_lines
+from pagedq.pipeline.protocol import RequestError, Text, scoped_cache_salt, split_lines
 from pagedq.store.locks import OwnedLock
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,13 @@ class BatchCreate(BaseModel):
     output_expires_after: dict | None = None  # accepted; output files expire like every file (file_ttl_s)
 
 
-def prepare_line(line: str, endpoint: str, max_priority: int, default_priority: int) -> str:
+def prepare_line(line: str, endpoint: str, max_priority: int, default_priority: int, cache_scope: str = "") -> str:
     """A batch input line as its tenant may run it.
 
     A line for another endpoint than the batch's is made to fail, naming ``url``; a ``priority`` above the
-    tenant's highest is lowered to it (a line without one gets the default, capped).  Lines that are not
-    JSON objects are left as they are: the request schema reports them.
+    tenant's highest is lowered to it (a line without one gets the default, capped); with ``cache_scope``, its
+    ``cache_salt`` is the tenant's (``scoped_cache_salt``).  Lines that are not JSON objects are left as they
+    are: the request schema reports them.
     """
     try:
         item = json.loads(line)
@@ -99,6 +100,8 @@ def prepare_line(line: str, endpoint: str, max_priority: int, default_priority: 
             body["priority"], changed = max_priority, True
         elif _number(body.get("priority")) > max_priority:  # "8" too: the schema reads it as 8
             body["priority"], changed = max_priority, True
+    if isinstance(body, dict) and cache_scope:
+        body["cache_salt"], changed = scoped_cache_salt(cache_scope, body.get("cache_salt")), True
     return json.dumps(item) if changed else line
 
 
@@ -126,7 +129,7 @@ class BatchStore:
     def create(self, tenant: Tenant, req: BatchCreate) -> dict:
         lines = self._input_lines(tenant, req.input_file_id)
         default = self.client.batch_priority
-        lines = [prepare_line(line, req.endpoint, tenant.max_priority, default) for line in lines]
+        lines = [prepare_line(line, req.endpoint, tenant.max_priority, default, tenant.cache_scope) for line in lines]
         outputs = self._reserve_outputs(tenant)
         try:
             batch_id, reservation = self._submit(tenant, lines)

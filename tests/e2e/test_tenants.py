@@ -137,3 +137,36 @@ def test_request_paths_issue_no_scan(client, gateway):
     assert error["code"] == "model_not_found" and repr(client.settings.model) in error["message"]
     assert after == before, f"{after - before} SCAN/KEYS calls on request paths"
     assert client.served_models() == [client.settings.model]
+
+
+# --- private caches ---------------------------------------------------------------------------------------
+def test_another_tenant_replaying_a_greedy_prompt_sees_no_cache_of_it(gateway):
+    """team-a's greedy prompt, replayed by team-b: the same answer, computed (not ``cached``, 0
+    ``cached_tokens``); team-a itself hits the result cache, and the prefix cache with the result cache off."""
+    prompt = f"Continue this list of words: {phrase(60)}"  # several full blocks
+    first = chat(gateway, "sk-a", prompt)
+    assert not first.get("cached")
+    own = wait_until(lambda: (r := chat(gateway, "sk-a", prompt)).get("cached") and r, 30, 0.2,
+                     "team-a's answer from the result cache")
+    assert own["choices"] == first["choices"]
+    own_blocks = chat(gateway, "sk-a", prompt, use_result_cache=False)
+    assert not own_blocks.get("cached") and cached_tokens(own_blocks) > 0, "team-a's prompt blocks are reused"
+    other = chat(gateway, "sk-b", prompt)  # team-b's first request: nothing of its own is cached
+    assert not other.get("cached") and cached_tokens(other) == 0, "team-b saw team-a's caches"
+    assert other["choices"][0]["message"] == first["choices"][0]["message"]
+    salted = chat(gateway, "sk-a", prompt, cache_salt="another conversation")
+    assert not salted.get("cached") and cached_tokens(salted) == 0, "a request's own salt is its own scope"
+    assert httpx.post(gateway + CHAT, headers={"Authorization": "Bearer sk-a"}, timeout=TIMEOUT, json={
+        "messages": [{"role": "user", "content": "hi"}], "cache_salt": ""}).json()["error"]["param"] == "cache_salt"
+
+
+def test_tenants_of_one_cache_group_share_their_caches(gateway):
+    prompt = f"Continue this list of words: {phrase(60)}"
+    first = chat(gateway, "sk-c1", prompt)
+    shared = wait_until(lambda: (r := chat(gateway, "sk-c2", prompt)).get("cached") and r, 30, 0.2,
+                        "team-c1's answer in team-c2's result cache")
+    assert shared["choices"] == first["choices"]
+    blocks = chat(gateway, "sk-c2", prompt, use_result_cache=False)
+    assert cached_tokens(blocks) > 0
+    outsider = chat(gateway, "sk-a", prompt)  # its own scope holds the chat template's first block at most
+    assert not outsider.get("cached") and cached_tokens(outsider) < cached_tokens(blocks)

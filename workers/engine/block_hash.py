@@ -4,7 +4,8 @@ a prompt's prefix (issue 20: cache-aware placement).
 
 A full block of ``block_size`` tokens is named by a hash chain: blake2b-16 over the parent block's name (the
 cache key for the first block: the model and its weights' fingerprint, so two models or two weights never
-share a name) and the block's own token ids.  Plain Python (no torch): the CPU worker imports it.
+share a name, and the request's ``cache_salt``, so two tenants' prompts never do) and the block's own token
+ids.  Plain Python (no torch): the CPU worker imports it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ from __future__ import annotations
 import hashlib
 
 
-def cache_key(model_name: str, fingerprint: str) -> str:
-    """What the first block's hash starts from: the model and the weights that computed the cache."""
-    return f"{model_name}:{fingerprint}"
+def cache_key(model_name: str, fingerprint: str, cache_salt: str = "") -> str:
+    """What the first block's hash starts from: the model and the weights that computed the cache, and the
+    request's ``cache_salt`` (``salted``)."""
+    return salted(f"{model_name}:{fingerprint}", cache_salt)
+
+
+def salted(key: str, cache_salt: str) -> str:
+    """``key`` for a request with ``cache_salt``: blocks of requests with different salts never share a name
+    (a tenant cannot learn from ``cached_tokens`` what another tenant sent); "" leaves the key as it is."""
+    return f"{key}\n{cache_salt}" if cache_salt else key
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], key: str) -> bytes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pagedq.workers.engine.block_hash import extend_hashes
+from pagedq.workers.engine.block_hash import extend_hashes, salted
 from pagedq.workers.engine.sequence import Sequence
 
 
@@ -55,7 +55,8 @@ class BlockManager:
     # --- prefix cache -----------------------------------------------------
     def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.block_hashes`` over its full blocks among the first ``num_tokens`` tokens."""
-        extend_hashes(seq.block_hashes, seq.token_ids, num_tokens, self.block_size, self.extra_key)
+        key = salted(self.extra_key, seq.params.cache_salt)  # a tenant's blocks are its own (issue 48)
+        extend_hashes(seq.block_hashes, seq.token_ids, num_tokens, self.block_size, key)
 
     def track_changes(self) -> None:
         """From now on, record which blocks enter and leave the prefix cache (for ``take_changes``)."""
