@@ -121,6 +121,20 @@ def test_greedy_matches_transformers(tmp_path, name):
     assert_matches_transformers(tmp_path, hf)
 
 
+# Every family over processes (CPU, gloo) once: tensor parallel where its sharding is special (experts,
+# fused checkpoint matrices, Gemma's norms after the all-reduce), two pipeline stages for the others.
+PARALLEL = [("qwen3", dict(pipeline_stages=2)), ("qwen3-moe", dict(tensor_parallel=2)),
+            ("mixtral", dict(pipeline_stages=2)), ("gemma2", dict(tensor_parallel=2)),
+            ("gemma3", dict(pipeline_stages=2)), ("phi3", dict(tensor_parallel=2))]
+
+
+@pytest.mark.parametrize("name, parallel", PARALLEL, ids=[f"{n}-{next(iter(p))}" for n, p in PARALLEL])
+def test_parallel_replica_matches_transformers(tmp_path, name, parallel):
+    hf = build_hf(name)
+    save(hf, tmp_path)
+    assert_matches_transformers(tmp_path, hf, **parallel)
+
+
 def test_sharded_bf16_checkpoint_served_in_fp32(tmp_path):
     """A bf16 checkpoint in several safetensors shards (with its index), an eos list in generation_config.json."""
     hf = build_hf("qwen3").to(torch.bfloat16)
