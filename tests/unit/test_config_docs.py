@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import gen_config_docs
+import pytest
 
 from pagedq.config.settings import DEPRECATED_VARIABLES, OTHER_VARIABLES, Settings
 
@@ -44,10 +45,11 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_its_links_reach_a_file_and_a_heading():
-    text = gen_config_docs.DOC.read_text()
+@pytest.mark.parametrize("page", ["configuration.md", "deploy.md"])
+def test_its_links_reach_a_file_and_a_heading(page):
+    text = (DOCS / page).read_text()
     for target, anchor in re.findall(r"\]\(([\w./-]*)(?:#([\w-]+))?\)", text):
-        path = DOCS / target if target else gen_config_docs.DOC
+        path = DOCS / target if target else DOCS / page
         assert path.is_file(), target
         if anchor:
             headings = {slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}

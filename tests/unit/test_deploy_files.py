@@ -144,3 +144,40 @@ def test_the_compose_header_names_every_required_variable():
         settings = "\n".join(ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#"))
         for var in set(re.findall(r"\$\{(\w+):\?", settings)):
             assert f"export {var}=" in header, f"{path.name} requires {var}, which the compose header does not name"
+
+
+UNITS = sorted((DOCKER / "systemd").glob("*.service"))
+
+
+def unit_entries(path: Path) -> dict[str, list[str]]:
+    """key -> every value it is given (systemd allows repeats), comments skipped."""
+    entries: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            entries.setdefault(key.strip(), []).append(value.strip())
+    return entries
+
+
+def test_the_systemd_units_for_each_role_are_shipped():
+    assert {p.name for p in UNITS} >= {"pagedq-worker@.service", "pagedq-cpu-worker.service",
+                                       "pagedq-gateway.service", "pagedq-stage@.service"}
+
+
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_each_unit_runs_unprivileged_with_its_secrets_in_an_environment_file(path):
+    unit = unit_entries(path)
+    assert unit["User"] == ["pagedq"], path.name
+    assert "/etc/pagedq/pagedq.env" in unit["EnvironmentFile"], path.name
+    command = " ".join(unit["ExecStart"] + unit.get("Environment", []))
+    assert not re.search(r"(PASSWORD|SECRET|BROKER_URL|redis://|rediss://|sentinel://)", command), (path.name, command)
+    assert "--hostname" not in command, "a fixed worker name lets a restarted worker pass for the one that died"
+    assert unit["NoNewPrivileges"] == ["yes"] and unit["ProtectSystem"] == ["strict"], path.name
+
+
+def test_a_stopped_gpu_worker_has_the_time_to_drain():
+    from pagedq.config import Settings
+
+    unit = unit_entries(DOCKER / "systemd" / "pagedq-worker@.service")
+    assert unit["KillSignal"] == ["SIGTERM"]
+    assert float(unit["TimeoutStopSec"][0]) >= Settings.model_fields["drain_timeout_s"].default + 30
