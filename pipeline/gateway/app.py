@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from pagedq.config import Settings, get_settings
-from pagedq.pipeline.gateway import openapi, routes_batches, routes_completions, routes_jobs
+from pagedq.pipeline.gateway import openapi, responses, routes_batches, routes_completions, routes_jobs
 from pagedq.pipeline.gateway.config import GatewayConfig
 from pagedq.pipeline.gateway.errors import RETRY_AFTER_S, ApiError, install_handlers
 from pagedq.pipeline.gateway.keys import KeyRing
@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None, broker_url: str | None = None,
                   description="OpenAI-compatible HTTP API in front of pagedq's queue (docs/http.md)")
     app.state.gateway = gw
     install_handlers(app)
-    for module in (routes_completions, routes_jobs, routes_batches):
+    for module in (routes_completions, routes_jobs, routes_batches, responses):
         app.include_router(module.router)
     app.add_api_route("/health", health, methods=["GET"], response_model=Health, responses=errors(503))
     app.add_api_route("/ready", ready, methods=["GET"], response_model=Health, responses=errors(503))

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from pagedq.pipeline.gateway.batches import BatchCreate
+from pagedq.pipeline.gateway.responses_input import ResponsesRequest
 from pagedq.pipeline.gateway.shapes import ErrorResponse
 from pagedq.pipeline.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -68,8 +69,10 @@ def request_schemas() -> dict[str, dict]:
                    "additionalProperties": False,
                    "properties": {"file": {"type": "string", "format": "binary"},
                                   "purpose": {"type": "string", "enum": ["batch"]}}}
-    return {**chat_defs, **text_defs, **batch_defs, "ChatCompletionRequest": chat, "CompletionRequest": text,
-            "JobRequest": job, "BatchCreate": batch, "FileUpload": file_upload}
+    responses, responses_defs = _schema_of(ResponsesRequest, {})
+    return {**chat_defs, **text_defs, **batch_defs, **responses_defs, "ChatCompletionRequest": chat,
+            "CompletionRequest": text, "JobRequest": job, "BatchCreate": batch, "FileUpload": file_upload,
+            "ResponsesRequest": responses}
 
 
 def json_body(name: str) -> dict:
