@@ -29,6 +29,7 @@ from pagedq.config import Settings
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.workers.llm import LLM
 from pagedq.workers.model.config import ModelConfig
+from pagedq.workers.model import loader
 from pagedq.workers.model.loader import resolve_model
 from pagedq.workers.model.weights import INDEX_FILE
 
@@ -156,3 +157,13 @@ def test_unknown_architecture_names_it_and_the_served_list(tmp_path):
         LLM(Settings(model=str(tmp_path)))
     message = str(err.value)
     assert "GPT2LMHeadModel" in message and "Gemma3ForCausalLM" in message and "\n" not in message
+
+
+def test_gguf_file_by_path_is_converted_once_and_served():
+    """``--model /path/to/file.gguf``: the packaged default's own GGUF file shares its converted folder."""
+    state = Settings().state_dir
+    gguf = loader._gguf_file(loader.DEFAULT_MODEL)
+    source = resolve_model(str(gguf), state)
+    assert source.name == str(gguf)
+    assert source.path == resolve_model(None, state).path
+    assert ModelConfig.from_folder(source.path).architecture == "LlamaForCausalLM"

@@ -61,22 +61,46 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     tmp.rename(target)  # atomic: a half-written folder is never found
 
 
-def resolve_model(name: str | None, state_dir: Path) -> ModelSource:
-    """Map a model name to a folder, converting the packaged default on first use."""
-    name = name or DEFAULT_MODEL
-    if name in _GGUF_PACKAGES:
-        gguf = _gguf_file(name)
-        digest = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:12]
-        target = Path(state_dir) / "models" / f"{name.replace('/', '--')}-{digest}"
-        if not (target / "config.json").is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(gguf, target)
-        return ModelSource(name, target)
-    path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"unknown model {name!r}: not {DEFAULT_MODEL!r} and not a local "
-                                 "Hugging Face folder with a config.json")
-    architectures = set(json.loads((path / "config.json").read_text()).get("architectures") or [])
+def _gguf_folder(name: str, gguf: Path, state_dir: Path) -> Path:
+    """The Hugging Face folder converted from ``gguf`` once (keyed by the file's path, size and mtime)."""
+    digest = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    target = Path(state_dir) / "models" / f"{name.replace('/', '--')}-{digest}"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _packaged_name(gguf: Path) -> str | None:
+    """The model name whose packaged GGUF file ``gguf`` is, so both share one converted folder."""
+    for name, (package, filename) in _GGUF_PACKAGES.items():
+        spec = importlib.util.find_spec(package)
+        if spec and spec.origin and gguf == (Path(spec.origin).parent / filename).resolve():
+            return name
+    return None
+
+
+def _check_architecture(name: str, folder: Path) -> None:
+    architectures = set(json.loads((folder / "config.json").read_text()).get("architectures") or [])
     if not architectures & SUPPORTED_ARCHITECTURES:
         raise ModelNotFoundError(unsupported_message(architectures, name))
+
+
+def resolve_model(name: str | None, state_dir: Path) -> ModelSource:
+    """Map a model name to a folder: the packaged default, a local Hugging Face folder, or a GGUF file
+    (converted by transformers once, for the architectures its GGUF reader knows)."""
+    name = name or DEFAULT_MODEL
+    if name in _GGUF_PACKAGES:
+        return ModelSource(name, _gguf_folder(name, _gguf_file(name), state_dir))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        gguf = path.resolve()
+        packaged = _packaged_name(gguf)
+        folder = _gguf_folder(packaged or gguf.stem, gguf, state_dir)
+        _check_architecture(name, folder)
+        return ModelSource(name, folder)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"unknown model {name!r}: not {DEFAULT_MODEL!r}, not a local "
+                                 "Hugging Face folder with a config.json and not a .gguf file")
+    _check_architecture(name, path)
     return ModelSource(name, path.resolve())
