@@ -28,8 +28,8 @@ from transformers import (
 from pagedq.config import Settings
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.workers.llm import LLM
-from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model import loader
+from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.loader import resolve_model
 from pagedq.workers.model.weights import INDEX_FILE
 
