@@ -157,7 +157,7 @@ def _prepare(gw: Gateway, body: dict, tenant: Tenant) -> tuple[ResponsesRequest,
     stored = StoredResponse("resp_" + uuid.uuid4().hex, tenant.name, "", int(time.time()), echo,
                             stored_items(items), history, req.background)
     messages = chat.pop("messages")
-    return req, stored, {"messages": messages, **chat}
+    return req, stored, {"messages": messages, "timeout_s": req.timeout_s, **chat}
 
 
 def _submit(gw: Gateway, tenant: Tenant, req: ResponsesRequest, stored: StoredResponse, kwargs: dict) -> None:
@@ -329,7 +329,7 @@ class _Events:
 @router.get("/v1/responses/{response_id}", responses={200: {"description": "the response object, or with "
                                                                            "stream=true its events",
                                                             "content": {**_OBJECT, "text/event-stream": SSE_EVENT}},
-                                                      **errors(401, 404, 429, 503)})
+                                                      **errors(400, 401, 404, 429, 503)})
 async def get_response(response_id: str, request: Request, tenant: TenantDep, stream: bool = False,
                        starting_after: Annotated[int, Query(ge=0, le=2**31)] | None = None) -> Response:
     gw = gateway(request)
@@ -347,7 +347,7 @@ async def get_response(response_id: str, request: Request, tenant: TenantDep, st
 
 @router.get("/v1/responses/{response_id}/input_items", responses={200: {"description": "a list page of items",
                                                                         "content": _OBJECT},
-                                                                  **errors(401, 404, 429, 503)})
+                                                                  **errors(400, 401, 404, 429, 503)})
 def input_items(response_id: str, request: Request, tenant: TenantDep, after: str | None = None,
                 limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc") -> dict:
     items = store_of(gateway(request)).load(response_id, tenant).input

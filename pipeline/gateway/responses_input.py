@@ -153,6 +153,7 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     top_k: int | None = None
     ignore_eos: bool | None = None
+    timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # pagedq's: not started -> expired
 
     @field_validator("input")
     @classmethod

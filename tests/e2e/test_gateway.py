@@ -489,8 +489,10 @@ OPERATIONS = ["GET /health", "GET /ready", "POST /v1/chat/completions", "POST /v
               "GET /v1/models/{model}", "POST /v1/jobs", "GET /v1/jobs/{job_id}", "DELETE /v1/jobs/{job_id}",
               "GET /v1/jobs/{job_id}/events", "POST /v1/files", "GET /v1/files", "GET /v1/files/{file_id}",
               "GET /v1/files/{file_id}/content", "DELETE /v1/files/{file_id}", "POST /v1/batches",
-              "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel"]
-_WAITING = ("/v1/chat/completions", "/v1/completions", "/v1/jobs")
+              "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel",
+              "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+              "GET /v1/responses/{response_id}/input_items", "POST /v1/responses/{response_id}/cancel"]
+_WAITING = ("/v1/chat/completions", "/v1/completions", "/v1/jobs", "/v1/responses")
 EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "30"))  # per operation; raise it for a longer search
 
 
