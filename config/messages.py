@@ -73,6 +73,14 @@ def check_logit_bias(logit_bias: dict[int, float], vocab_size: int) -> None:
                            "logit_bias")
 
 
+def check_stop_token_ids(stop_token_ids: list[int], vocab_size: int) -> None:
+    """Raise RequestError unless every id of ``stop_token_ids`` is in the vocabulary."""
+    outside = [t for t in stop_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError(f"stop_token_ids: token ids must be in [0, {vocab_size}); {outside[0]} is not",
+                           "stop_token_ids")
+
+
 class JobNotCompleted(Exception):
     """Raised by a task whose job ended failed, cancelled or expired, so Celery (and Flower) records a FAILURE
     with pagedq's reason.  Tasks declare it in ``throws``: logged as one line, not as a crash."""

@@ -8,6 +8,7 @@ stops on token ids (EOS, ``stop_token_ids``) and on length.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (dividing logits by it would overflow).
@@ -43,6 +44,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.logit_bias:  # JSON (a stage's copy of the params) turns the token ids into strings
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: the engine looks each generated token up in it."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def max_output_tokens(self) -> int:

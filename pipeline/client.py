@@ -31,7 +31,13 @@ from kombu.exceptions import OperationalError
 
 from pagedq.config import Settings, get_settings
 from pagedq.config.celery_app import BufferedSentEvents, make_celery, send_preprocess
-from pagedq.config.messages import PreprocessJob, check_context, check_logit_bias, to_json
+from pagedq.config.messages import (
+    PreprocessJob,
+    check_context,
+    check_logit_bias,
+    check_stop_token_ids,
+    to_json,
+)
 from pagedq.config.names import TERMINAL_STATES, JobState, Names
 from pagedq.config.scheduling import SchedulingMeta
 from pagedq.pipeline.postprocess import batch_output_line
@@ -294,6 +300,7 @@ class Client:
             if not isinstance(req, ChatCompletionRequest) and isinstance(req.prompt, list):
                 check_context(req.prompt, params.max_tokens, info.max_model_len, info.vocab_size)
             check_logit_bias(params.logit_bias, info.vocab_size)
+            check_stop_token_ids(params.stop_token_ids, info.vocab_size)
         return req
 
     # --- models and the result cache ---------------------------------------------

@@ -55,6 +55,12 @@ MAX_INT = 2**31 - 1  # token ids, counts: what a tensor index holds
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 MAX_CHOICES = 128  # n, as OpenAI bounds it
 MAX_CACHE_SALT = 256  # characters of a request's cache_salt
+# Bounds on what one request may cost (issue 48), each refused with a 400 naming its field:
+MAX_STOP_TOKEN_IDS = 64  # checked against each generated token of each sequence
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it; added to every step's logits
+# n x max_tokens x (1 + top logprobs): the tokens and logprob entries one answer may hold.  n 128 with 4,096
+# tokens each fits, or 20 top logprobs on 24,966 tokens (a result of ~25 MB of JSON at most).
+MAX_OUTPUT_BUDGET = 1 << 19
 
 
 def _valid_unicode(text: str) -> str:
@@ -149,7 +155,7 @@ class SamplingFields(BaseModel):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
@@ -235,6 +241,8 @@ class SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, not {len(v)}")
         for key in v or {}:
             if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT):
                 raise ValueError(f"keys must be token ids (non-negative integers), not {key[:20]!r}")
@@ -356,9 +364,22 @@ def parse_request(url: str, body: Any) -> AnyRequest:
     if not isinstance(body, dict):
         raise RequestError("body must be a JSON object", "body")
     try:
-        return kinds[url].model_validate(body)
+        req = kinds[url].model_validate(body)
     except ValidationError as e:
         raise validation_to_request_error(e) from None
+    check_output_budget(req)
+    return req
+
+
+def check_output_budget(req: AnyRequest) -> None:
+    """Refuse a request whose answer could hold more than MAX_OUTPUT_BUDGET tokens and logprob entries."""
+    max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+    per_token = 1 + (req.num_logprobs or 0)
+    cost = req.n * max_tokens * per_token
+    if cost > MAX_OUTPUT_BUDGET:
+        raise RequestError(f"max_tokens: n x max_tokens x (1 + top logprobs) = {req.n} x {max_tokens} x "
+                           f"{per_token} = {cost:,} is over the budget of {MAX_OUTPUT_BUDGET:,} per request; ask "
+                           "for fewer tokens, choices or logprobs", "max_tokens")
 
 
 # OpenAI fields that would change the answer and that pagedq does not implement yet: a 400 naming them.

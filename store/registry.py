@@ -120,10 +120,10 @@ return 1
 
 
 def worker_index_of(record_key: str) -> tuple[str, str]:
-    """(the workers' index, the hostname) for a worker's record key (``names.worker``); ("", "") for another
-    key."""
+    """(the workers' index, the hostname) for a worker's record key (``names.worker``: a Celery hostname, which
+    holds no colon); ("", "") for another key."""
     prefix, sep, hostname = record_key.rpartition("worker:")
-    return (f"{prefix}workers", hostname) if sep and hostname else ("", "")
+    return (f"{prefix}workers", hostname) if sep and hostname and ":" not in hostname else ("", "")
 
 
 class Heartbeat(threading.Thread):

@@ -194,6 +194,11 @@ class BatchStore:
             raise ApiError(400, f"input_file_id: file {file_id!r} holds {len(lines)} requests, at most "
                                 f"{self.config.max_batch_lines} are allowed", "input_file_id",
                            "invalid_request_error")
+        limit = self.config.max_request_bytes  # a line is a request: held to what a request body may be
+        for number, line in enumerate(lines, 1):
+            if len(line) > limit // 4 and (size := len(line.encode("utf-8", "surrogateescape"))) > limit:
+                raise ApiError(400, f"input_file_id: line {number} of file {file_id!r} is {size:,} bytes, over the "
+                                    f"{limit:,}-byte limit of a request", "input_file_id", "invalid_request_error")
         return lines
 
     # --- following ------------------------------------------------------------------------------------

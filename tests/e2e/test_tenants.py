@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 
 import httpx
@@ -32,6 +31,7 @@ from pagedq.pipeline.local.stack import settings_env
 from pagedq.workers.processes import free_port, spawn, stop
 
 TIMEOUT = 120
+MAX_REQUEST_BYTES = 64 << 10
 CHAT = "/v1/chat/completions"
 TENANTS = {  # API key -> its keys-file entry
     "sk-a": {"tenant": "team-a"},
@@ -73,7 +73,7 @@ def gateway(settings, stack, tmp_path_factory) -> str:
     env = {**env, **settings_env(settings), "PAGEDQ_BROKER_URL": stack.url}
     log_path = folder / "gateway.log"
     proc = spawn([sys.executable, "-m", "pagedq.pipeline.cli", "serve", "--port", str(port),
-                  "--api-keys-file", str(keys)], log_path, env)
+                  "--api-keys-file", str(keys), "--max-request-bytes", str(MAX_REQUEST_BYTES)], log_path, env)
     base = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -121,7 +121,7 @@ def test_request_paths_issue_no_scan(client, gateway):
     hits = [client.submit([{"role": "user", "content": prompts[i % 50]}], temperature=0, max_tokens=1)
             for i in range(900)]
     assert all(client.result(j, timeout=TIMEOUT).get("cached") for j in hits[-10:])
-    for i in range(50):  # HTTP: team-a's own scope, computed once then hits
+    for _ in range(50):  # HTTP: team-a's own scope, computed once then hits
         chat(gateway, "sk-a", prompts[0], max_tokens=1)
     lines = [{"custom_id": f"l{i}", "url": CHAT, "body": {"model": "no-such-model", "max_tokens": 1,
                                                           "messages": [{"role": "user", "content": phrase(3)}]}}
@@ -170,3 +170,28 @@ def test_tenants_of_one_cache_group_share_their_caches(gateway):
     assert cached_tokens(blocks) > 0
     outsider = chat(gateway, "sk-a", prompt)  # its own scope holds the chat template's first block at most
     assert not outsider.get("cached") and cached_tokens(outsider) < cached_tokens(blocks)
+
+
+# --- bounded cost per request -----------------------------------------------------------------------------
+def test_costly_requests_get_a_400_naming_the_field(gateway):
+    headers = {"Authorization": "Bearer sk-a"}
+
+    def refused(body: dict) -> str:
+        reply = httpx.post(gateway + CHAT, json=body, headers=headers, timeout=TIMEOUT)
+        assert reply.status_code == 400, reply.text
+        return reply.json()["error"]["param"]
+    base = {"messages": [{"role": "user", "content": phrase(3)}]}
+    assert refused({**base, "stop_token_ids": random.sample(range(1, 49152), 65)}) == "stop_token_ids"
+    assert refused({**base, "stop_token_ids": [49152 + random.randrange(1000)]}) == "stop_token_ids"
+    assert refused({**base, "logit_bias": {str(t): 1 for t in random.sample(range(49152), 301)}}) == "logit_bias"
+    assert refused({**base, "n": 128, "max_tokens": 1000, "logprobs": True, "top_logprobs": 20}) == "max_tokens"
+    small = json.dumps({"custom_id": "ok", "url": CHAT, "body": {**base, "max_tokens": 1}})
+    big = json.dumps({"custom_id": "big", "url": CHAT, "body": {"messages": [
+        {"role": "user", "content": phrase(MAX_REQUEST_BYTES // 5)}]}})
+    upload = httpx.post(f"{gateway}/v1/files", headers=headers, timeout=TIMEOUT, data={"purpose": "batch"},
+                        files={"file": ("in.jsonl", f"{small}\n{big}\n".encode())})
+    assert upload.status_code == 200, upload.text
+    reply = httpx.post(f"{gateway}/v1/batches", headers=headers, timeout=TIMEOUT, json={
+        "input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input_file_id"
+    assert "line 2" in reply.json()["error"]["message"]

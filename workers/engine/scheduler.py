@@ -399,7 +399,7 @@ class Scheduler:
         reason, stop = None, None
         if not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
-        elif token in p.stop_token_ids:
+        elif token in p.stop_token_set:
             reason, stop = "stop", token
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
