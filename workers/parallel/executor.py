@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import fields
 
 import torch
 
@@ -164,7 +165,9 @@ class PipelineExecutor:
 
     def _control(self, seqs: list[Sequence]) -> dict:
         """What the sampling rank needs beyond hidden states: new sequences' prompts and parameters."""
-        new = [[s.request_id, s.prompt_token_ids, s.params.__dict__] for s in seqs if s.request_id not in self._known]
+        # The dataclass fields only: __dict__ also holds cached properties (a frozenset is no JSON).
+        new = [[s.request_id, s.prompt_token_ids, {f.name: getattr(s.params, f.name) for f in fields(s.params)}]
+               for s in seqs if s.request_id not in self._known]
         self._known.update(s.request_id for s in seqs)
         dropped, self._dropped = self._dropped, []
         return {"drop": dropped, "new": new, "sample": [s.request_id for s in seqs]}
