@@ -26,7 +26,13 @@ from kombu import Producer
 from queue_helpers import broker_depth, wait_until
 
 from pagedq.config import Settings
-from pagedq.config.names import GENERATE_TASK, POSTPROCESS_TASK, PREPROCESS_TASK, broker_priority
+from pagedq.config.names import (
+    DISPATCH_TASK,
+    GENERATE_TASK,
+    POSTPROCESS_TASK,
+    PREPROCESS_TASK,
+    broker_priority,
+)
 from pagedq.pipeline import Client, JobFailedError, RequestError
 from pagedq.pipeline.local.stack import Stack, settings_env
 from pagedq.workers.processes import free_port
@@ -352,7 +358,7 @@ def test_job_not_started_in_time_expires(client):
 
 
 # --- Flower -------------------------------------------------------------------------------------
-def test_flower_shows_generate_and_postprocess_tasks(client, settings, stack, tmp_path):
+def test_flower_shows_preprocess_dispatch_and_postprocess_tasks(client, settings, stack, tmp_path):
     port = free_port()
     env = {**settings_env(settings), "PAGEDQ_BROKER_URL": stack.url}
     cmd = [sys.executable, "-m", "pagedq.pipeline.cli", "flower", "--port", str(port), "--unauthenticated-api"]
@@ -365,29 +371,30 @@ def test_flower_shows_generate_and_postprocess_tasks(client, settings, stack, tm
         job = client.submit(prompt="Hello, Flower!", max_tokens=200, **GREEDY)
 
         def tasks_of_job() -> dict:
+            """The job's tasks by name: preprocess and postprocess name it in their arguments, the dispatch
+            token that ran it in its result (it names no job until it binds one)."""
             tasks = json.loads(_get(f"{base}/api/tasks") or "{}")
             return {t["name"]: t for t in tasks.values()
-                    if job in (t.get("args") or "") or job in (t.get("result") or "")}
+                    if job in (t.get("args") or "") or job in str(t.get("result") or "")}
 
         def progressing() -> bool:  # task-progress events: state PROGRESS, tokens so far
-            gen = next((t for t in json.loads(_get(f"{base}/api/tasks") or "{}").values()
-                        if t["name"] == GENERATE_TASK and job in (t.get("args") or "")), None)
-            return bool(gen) and gen["state"] == "PROGRESS" and "tokens so far" in (gen.get("result") or "")
-        wait_until(progressing, 60, 0.1, "Flower to show the generate task in PROGRESS")
+            token = tasks_of_job().get(DISPATCH_TASK)
+            return bool(token) and token["state"] == "PROGRESS" and "tokens so far" in str(token.get("result"))
+        wait_until(progressing, 60, 0.1, "Flower to show the job's dispatch task in PROGRESS")
         client.result(job, timeout=TIMEOUT)
 
         def all_succeeded() -> dict | None:
             mine = tasks_of_job()
-            done = all(mine.get(n, {}).get("state") == "SUCCESS" for n in (PREPROCESS_TASK, GENERATE_TASK,
+            done = all(mine.get(n, {}).get("state") == "SUCCESS" for n in (PREPROCESS_TASK, DISPATCH_TASK,
                                                                              POSTPROCESS_TASK))
             return mine if done else None
         mine = wait_until(all_succeeded, 30, 0.5, "Flower to list the job's tasks as SUCCESS")
-        assert mine[GENERATE_TASK]["worker"] == gpu_worker(stack).hostname
+        assert mine[DISPATCH_TASK]["worker"] == gpu_worker(stack).hostname
         # Arguments read as the job, not as token ids or a wall of text.
-        for name in (PREPROCESS_TASK, GENERATE_TASK, POSTPROCESS_TASK):
+        for name in (PREPROCESS_TASK, POSTPROCESS_TASK):
             args = mine[name]["args"]
             assert f"job={job}" in args and "prompt_token_ids" not in args and len(args) < 300, (name, args)
-        assert "priority=5" in mine[PREPROCESS_TASK]["args"] and "prompt_tokens=" in mine[GENERATE_TASK]["args"]
+        assert "priority=5" in mine[PREPROCESS_TASK]["args"] and "priority=5" in mine[DISPATCH_TASK]["args"]
 
         # A job that fails in pagedq is a FAILURE in Flower, with pagedq's reason.
         job = client.submit(prompt="hello " * 9000, max_tokens=4)
@@ -444,7 +451,10 @@ def test_every_task_event_reaches_flower_in_few_broker_messages(client, stack):
             assert len(jobs) == 12
 
             def of_job(job: str) -> dict[str, set[str]]:
-                names = {e["uuid"]: e["name"] for e in events if e.get("name") and job in (e.get("args") or "")}
+                # A dispatch token names its job only once it binds one: in its progress events and its result.
+                mine = {e.get("uuid") for e in events if job in (e.get("args") or "") or e.get("job_id") == job
+                        or job in str(e.get("result") or "")}
+                names = {e["uuid"]: e["name"] for e in events if e.get("name") and e.get("uuid") in mine}
                 kinds: dict[str, set[str]] = {}
                 for e in events:
                     if e.get("uuid") in names:
@@ -452,7 +462,7 @@ def test_every_task_event_reaches_flower_in_few_broker_messages(client, stack):
                 return kinds
 
             every = {"task-sent", "task-received", "task-started", "task-succeeded"}
-            tasks = (PREPROCESS_TASK, GENERATE_TASK, POSTPROCESS_TASK)
+            tasks = (PREPROCESS_TASK, DISPATCH_TASK, POSTPROCESS_TASK)
             wait_until(lambda: all(all(every <= of_job(j).get(n, set()) for n in tasks) for j in jobs), 30, 0.2,
                        "every task event of every job")
         finally:
