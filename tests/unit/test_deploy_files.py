@@ -181,3 +181,30 @@ def test_a_stopped_gpu_worker_has_the_time_to_drain():
     unit = unit_entries(DOCKER / "systemd" / "pagedq-worker@.service")
     assert unit["KillSignal"] == ["SIGTERM"]
     assert float(unit["TimeoutStopSec"][0]) >= Settings.model_fields["drain_timeout_s"].default + 30
+
+
+def kubernetes_objects() -> list[dict]:
+    return [o for o in yaml.safe_load_all((DOCKER / "kubernetes" / "pagedq.yaml").read_text()) if o]
+
+
+def test_the_deployment_keda_scales_is_shipped():
+    keda = yaml.safe_load((DOCKER / "keda-scaledobject.yaml").read_text())
+    deployments = {o["metadata"]["name"]: o for o in kubernetes_objects() if o["kind"] == "Deployment"}
+    assert keda["spec"]["scaleTargetRef"]["name"] in deployments
+    assert {"pagedq-gpu-worker", "pagedq-cpu-worker", "pagedq-exporter"} <= set(deployments)
+    gpu = deployments["pagedq-gpu-worker"]["spec"]["template"]["spec"]
+    assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu["terminationGracePeriodSeconds"] >= 30 + 30  # the drain (PAGEDQ_DRAIN_TIMEOUT_S) and a margin
+
+
+def test_kubernetes_pods_run_unprivileged_with_secrets_from_a_secret():
+    for obj in kubernetes_objects():
+        if obj["kind"] != "Deployment":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, obj["metadata"]["name"]
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            for var in container.get("env", []):
+                if re.search(r"BROKER_URL|SECRET|PASSWORD", var["name"]):
+                    assert "value" not in var and "secretKeyRef" in var["valueFrom"], var
