@@ -86,10 +86,6 @@ class JobNotCompleted(Exception):
     with pagedq's reason.  Tasks declare it in ``throws``: logged as one line, not as a crash."""
 
 
-def _preview(text: str, limit: int = 60) -> str:
-    return repr(text if len(text) <= limit else text[:limit] + "…")
-
-
 def _as_meta(meta: SchedulingMeta | dict) -> SchedulingMeta:
     return SchedulingMeta.from_dict(meta) if isinstance(meta, dict) else meta
 
@@ -106,16 +102,17 @@ class PreprocessJob:
         self.meta = _as_meta(self.meta)  # built from a stored message's JSON (``PreprocessJob(**json)``)
 
     def describe(self) -> str:
-        """What Flower shows as the task's arguments: the job, not a wall of prompt text."""
+        """What Flower and task events show as the task's arguments: the job, never its text (prompts are
+        private; events reach Flower and every subscriber of the broker's event channel)."""
         b = self.body
         messages = b.get("messages")
-        text = messages[-1].get("content", "") if isinstance(messages, list) and messages and \
-            isinstance(messages[-1], dict) else b.get("prompt", "")
-        if isinstance(text, list):  # content parts
-            text = "\n".join(str(p.get("text", "")) for p in text if isinstance(p, dict))
-        size = f"{len(text)} chars" if isinstance(text, str) else f"{len(text)} token ids"
+        if isinstance(messages, list):
+            size = f"{len(messages)} messages"
+        else:
+            prompt = b.get("prompt", "")
+            size = f"{len(prompt)} {'chars' if isinstance(prompt, str) else 'token ids'}"
         return (f"job={self.job_id} model={b.get('model')} tenant={self.meta.tenant} "
-                f"priority={b.get('priority')} prompt={_preview(text) if isinstance(text, str) else '[token ids]'} ({size})")
+                f"priority={b.get('priority')} prompt=({size})")
 
 
 @dataclass
@@ -181,7 +178,7 @@ class Completion:
 
     def describe(self) -> str:
         return (f"job={self.request_id} model={self.model} completion_tokens={len(self.output_token_ids)} "
-                f"finish_reason={self.finish_reason} text={_preview(self.text)}")
+                f"finish_reason={self.finish_reason} text=({len(self.text)} chars)")
 
 
 _adapters: dict[type, TypeAdapter] = {}

@@ -375,3 +375,9 @@ class Names:
     def control_seen(self, nonce: str) -> str:
         """Set with a TTL: the workers that acted on the control message with this nonce (a replay is ignored)."""
         return f"{self.key_prefix}control:seen:{nonce}"
+
+    def control_first_seen(self, nonce: str) -> str:
+        """String with a TTL: when (Redis clock, seconds) any worker first received the control message with this
+        nonce; a copy received later than ``store.control.DELIVERY_WINDOW_S`` after that is a replay, for every
+        worker, one started since included."""
+        return f"{self.key_prefix}control:first:{nonce}"

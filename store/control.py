@@ -8,7 +8,11 @@ A worker acts on a message only if its signature verifies, its ``ts`` is within
 ``MAX_AGE_S`` of the worker's clock, and the worker has not acted on its nonce
 before: it adds itself to the nonce's seen-set (``names.control_seen``, kept
 ``SEEN_TTL_S``, longer than a message stays fresh), so a replay of the same
-bytes changes nothing.  Everything else is logged and ignored.  ``kid`` (a hash
+bytes changes nothing.  Nonces are also global: the first worker to receive a
+message records when (``names.control_first_seen``, on the Redis clock), and
+every worker ignores a copy received more than ``DELIVERY_WINDOW_S`` later, so a
+message captured and replayed to a worker started since (a new name, an empty
+seen-set) changes nothing either.  Everything else is logged and ignored.  ``kid`` (a hash
 of the key, not the key) says when a message was signed with another key.
 
 One key per deployment: ``PAGEDQ_CONTROL_SECRET`` where set, else a random key
@@ -42,6 +46,9 @@ from pagedq.config.settings import Settings
 
 MAX_AGE_S = 300
 SEEN_TTL_S = 2 * MAX_AGE_S + 60  # a nonce is remembered past the last moment its message could still be fresh
+# Every worker receives a published message at once (pub/sub); a listener stalled this long behind a long engine
+# step still takes it.  Later copies are replays.
+DELIVERY_WINDOW_S = 60
 KEY_FILE = "control.key"
 MIN_KEY_BYTES = 32
 
@@ -159,11 +166,24 @@ class ControlKey:
         return self.get(refresh=time.monotonic() - self._read_at > self.REREAD_S)
 
 
+# KEYS: the nonce's seen-set, its first-seen time. ARGV: this worker, DELIVERY_WINDOW_S, SEEN_TTL_S.
+# Returns 1 (act on it), 0 (this worker already did) or -1 (received past the window: a replay).
+_ACCEPT = """
+local now = tonumber(redis.call('TIME')[1])
+redis.call('SET', KEYS[2], now, 'NX', 'EX', ARGV[3])
+if now - tonumber(redis.call('GET', KEYS[2])) > tonumber(ARGV[2]) then return -1 end
+local added = redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return added
+"""
+
+
 class ControlReceiver:
     """Accepts each genuine control message once per worker (see the module's docstring)."""
 
     def __init__(self, client: redis.Redis, names: Names, key: ControlKey, worker: str) -> None:
         self.r, self.names, self.key, self.worker = client, names, key, worker
+        self._accept = client.register_script(_ACCEPT)
 
     def accept(self, raw: str | bytes) -> dict:
         """The message, to act on; raises ValueError saying why not (forged, stale, replayed...)."""
@@ -173,13 +193,13 @@ class ControlReceiver:
             if self.key.configured is not None:
                 raise
             message = verify(self.key.get(refresh=True), raw)  # the stored key may have been made anew
-        seen = self.names.control_seen(message["nonce"])
-        pipe = self.r.pipeline(transaction=True)
-        pipe.sadd(seen, self.worker)
-        pipe.expire(seen, SEEN_TTL_S)
-        first, _ = pipe.execute()
-        if not first:
+        nonce = message["nonce"]
+        keys = [self.names.control_seen(nonce), self.names.control_first_seen(nonce)]
+        verdict = int(self._accept(keys=keys, args=[self.worker, DELIVERY_WINDOW_S, SEEN_TTL_S]))
+        if verdict == 0:
             raise ValueError("replayed (this worker already acted on its nonce)")
+        if verdict < 0:
+            raise ValueError(f"replayed (first received by a worker more than {DELIVERY_WINDOW_S} s ago)")
         return message
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -9,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from pagedq.config import Settings, get_settings
 from pagedq.pipeline.gateway import openapi, responses, routes_batches, routes_completions, routes_jobs
-from pagedq.pipeline.gateway.config import GatewayConfig
+from pagedq.pipeline.gateway.config import KEYS_FILE_VARIABLE, GatewayConfig
 from pagedq.pipeline.gateway.errors import RETRY_AFTER_S, ApiError, install_handlers
 from pagedq.pipeline.gateway.keys import KeyRing
 from pagedq.pipeline.gateway.openapi import errors
@@ -37,12 +38,44 @@ def create_app(settings: Settings | None = None, broker_url: str | None = None,
                   description="OpenAI-compatible HTTP API in front of pagedq's queue (docs/http.md)")
     app.state.gateway = gw
     install_handlers(app)
+    if keyring is None:  # however it is served (plain uvicorn on 0.0.0.0 too): anonymous on loopback only
+        app.add_middleware(LoopbackOnly)
     for module in (routes_completions, routes_jobs, routes_batches, responses):
         app.include_router(module.router)
     app.add_api_route("/health", health, methods=["GET"], response_model=Health, responses=errors(503))
     app.add_api_route("/ready", ready, methods=["GET"], response_model=Health, responses=errors(503))
     openapi.install(app)
     return app
+
+
+def reached_from_outside(host: str) -> bool:
+    """Whether the address a connection reached the server on (ASGI ``scope["server"]``) is one other hosts can
+    use: an IP that is not loopback.  A name (an in-process transport's ``testserver``) or a Unix socket is not."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not ip.is_loopback
+
+
+class LoopbackOnly:
+    """A gateway without API keys serves every request as one anonymous tenant: it answers only connections
+    made to a loopback address, whoever started it and however (``pagedq serve`` also refuses to bind)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        server = scope.get("server") if scope["type"] == "http" else None
+        if server and isinstance(server[0], str) and reached_from_outside(server[0]):
+            refusal = ApiError(403, f"This gateway has no API keys, so it serves loopback only; it was reached on "
+                                    f"{server[0]}. Set {KEYS_FILE_VARIABLE} (or --api-keys-file).", None,
+                               "no_api_keys")
+            await refusal.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 async def health(request: Request) -> dict:

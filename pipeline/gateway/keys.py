@@ -7,10 +7,16 @@ of each key, never the key itself::
                "max_priority": 7, "rpm": 600, "max_queued": 100,
                "max_stored_bytes": "1GiB", "max_files": 1000, "weight": 2}]}
 
-``python -m pagedq.pipeline.gateway.keys <key>`` prints the line for a key.
+``printf %s "$KEY" | python -m pagedq.pipeline.gateway.keys`` (or ``--file
+PATH``) prints the line for a key: the key is read from stdin or a file, never
+from the command line, where every user of the host can read it.
 Several keys may name the same tenant; a tenant's limits are those of the
 first key that names it.  ``weight`` (default 1) is the tenant's share of service
-within a priority band, relative to the other tenants' weights.
+within a priority band, relative to the other tenants' weights.  ``cache_group``
+names tenants that may share cached answers and prompt blocks (default: none,
+each tenant's caches are its own).  The tenant name ``default`` is reserved: it
+is the tenant of every job submitted without one (``Client``, the CLI,
+``run-batch``), so a key for it could read and cancel them all.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from pagedq.config.scheduling import DEFAULT_TENANT
 from pagedq.config.settings import parse_bytes
 
 if sys.version_info >= (3, 11):
@@ -55,7 +62,7 @@ class Tenant:
         return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.name}"
 
 
-ANONYMOUS = Tenant("default")  # every request, when the gateway runs without a keys file (loopback only)
+ANONYMOUS = Tenant(DEFAULT_TENANT)  # every request, when the gateway runs without a keys file (loopback only)
 
 
 class _KeyEntry(BaseModel):
@@ -69,6 +76,14 @@ class _KeyEntry(BaseModel):
     max_files: Annotated[int, Field(ge=0)] = DEFAULT_MAX_FILES
     weight: Annotated[float, Field(gt=0, le=1e6)] = 1.0
     cache_group: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$")] | None = None
+
+    @field_validator("tenant")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v == DEFAULT_TENANT:
+            raise ValueError(f"{DEFAULT_TENANT!r} is reserved: it is the tenant of every job submitted without one "
+                             "(Client, CLI, run-batch); name the tenant otherwise")
+        return v
 
 
 class _KeysFile(BaseModel):
@@ -126,11 +141,32 @@ class KeyRing:
         return self._by_hash.get(hash_key(key.strip()))
 
 
+USAGE = ("usage: printf %s \"$KEY\" | python -m pagedq.pipeline.gateway.keys   (or: ... keys --file PATH)\n"
+         "the key is read from stdin or a file, never from the command line (every user of the host sees argv)")
+
+
+def read_key(argv: list[str], stdin) -> str | None:
+    """The API key, from ``--file PATH`` or stdin (its first line); None for anything else (a key in argv)."""
+    if argv[:1] == ["--file"] and len(argv) == 2:
+        text = Path(argv[1]).read_text()
+    elif not argv:
+        if stdin.isatty():
+            import getpass
+
+            return getpass.getpass("API key: ").strip() or None
+        text = stdin.read()
+    else:
+        return None
+    lines = text.splitlines()
+    return lines[0].strip() if lines and lines[0].strip() else None
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m pagedq.pipeline.gateway.keys <api-key>", file=sys.stderr)
+    key = read_key(argv, sys.stdin)
+    if key is None:
+        print(USAGE, file=sys.stderr)
         return 2
-    print(json.dumps({"sha256": hash_key(argv[0]), "tenant": "CHANGE-ME", "max_priority": 9, "rpm": 600,
+    print(json.dumps({"sha256": hash_key(key), "tenant": "CHANGE-ME", "max_priority": 9, "rpm": 600,
                       "max_queued": 100, "max_stored_bytes": "1GiB", "max_files": DEFAULT_MAX_FILES,
                       "weight": 1}))
     return 0
