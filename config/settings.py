@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default = all cores")
     adaptive_threads: bool = Field(True, description="a GPU worker running its engine on the CPU computes with the "
-                                                     "cores other processes leave free (re-planned every 2 s)")
+                                                     "cores other processes leave free (re-planned every 0.5 s)")
     omp_spin_count: int = Field(
         50_000, ge=0, description="GOMP_SPINCOUNT of a GPU worker's OpenMP threads (and its stages'): how long an "
         "idle one spins before it sleeps; libgomp's own default (300,000) burns milliseconds of a shared core each "
