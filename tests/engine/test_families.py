@@ -122,6 +122,20 @@ def test_greedy_matches_transformers(tmp_path, name):
     assert_matches_transformers(tmp_path, hf)
 
 
+def test_gemma2_logprobs_follow_the_capped_logits(tmp_path):
+    """Final-logit soft-capping never changes a greedy pick, only the probabilities: compare those."""
+    hf = build_hf("gemma2")
+    save(hf, tmp_path)
+    engine = LLM(Settings(model=str(tmp_path), kv_cache_memory="16MiB", num_threads=1))
+    prompt = prompts()[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True))[0]
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    ours = dict(out.logprobs[0]["top"])
+    assert set(ours) == set(want.topk(5).indices.tolist())
+    assert all(abs(ours[t] - want[t].item()) < 1e-4 for t in ours), (ours, want.topk(5))
+
+
 # Every family over processes (CPU, gloo) once: tensor parallel where its sharding is special (experts,
 # fused checkpoint matrices, Gemma's norms after the all-reduce), two pipeline stages for the others.
 PARALLEL = [("qwen3", dict(pipeline_stages=2)), ("qwen3-moe", dict(tensor_parallel=2)),

@@ -28,6 +28,10 @@ class Gemma2ForCausalLM(DecoderModel):
     norm_offset = 1.0
     sliding_pattern = 2  # without layer_types in config.json: every n-th layer is global, the others slide
     qk_norm = False
+    softcaps = (50.0, 30.0)  # transformers' defaults (attention, final logits) when config.json omits them
+
+    def softcap(self, key: str, default: float | None) -> float | None:
+        return self.cfg.hf.get(key, default)  # a null in config.json turns capping off
 
     def __init__(self, cfg, weights, *args, **kwargs) -> None:
         super().__init__(cfg, weights, *args, **kwargs)
@@ -42,8 +46,8 @@ class Gemma2ForCausalLM(DecoderModel):
 
     def attention_options(self, i: int) -> dict:
         cfg, kind = self.cfg, self.layer_type(i)
-        return {"scale": cfg.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5,
-                "softcap": cfg.get("attn_logit_softcapping"),
+        return {"scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+                "softcap": self.softcap("attn_logit_softcapping", self.softcaps[0]),
                 "window": cfg.get("sliding_window") if kind == "sliding_attention" else None}
 
     def load_layer(self, i: int) -> GemmaLayer:
@@ -73,7 +77,7 @@ class Gemma2ForCausalLM(DecoderModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
-        cap = self.cfg.get("final_logit_softcapping")
+        cap = self.softcap("final_logit_softcapping", self.softcaps[1])
         if cap:
             logits.div_(cap).tanh_().mul_(cap)
         return logits

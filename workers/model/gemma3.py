@@ -10,6 +10,7 @@ from pagedq.workers.model.layers import Rotary
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     sliding_pattern = 6
     qk_norm = True
+    softcaps = (None, None)
 
     def make_rotary(self) -> dict[str, Rotary]:
         cfg, params = self.cfg, self.cfg.get("rope_parameters", {})
