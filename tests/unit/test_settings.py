@@ -13,6 +13,21 @@ def test_an_unknown_pagedq_variable_is_an_error_naming_the_closest_setting(monke
         Settings()
 
 
+@pytest.mark.parametrize("variable", ["PAGEDQ_FAIR_SHARE", "PAGEDQ_PLACEMENT", "PAGEDQ_WORKER_MAX_INFLIGHT"])
+def test_a_removed_dispatch_switch_is_accepted_with_one_deprecation_line(monkeypatch, caplog, variable):
+    """The one dispatch path: the switches that chose between paths are gone; a stray one in the environment
+    still starts, with one warning line per process naming it, and changes nothing."""
+    from pagedq.config import settings as settings_module
+
+    monkeypatch.setattr(settings_module, "_warned", set())
+    monkeypatch.setenv(variable, "false")
+    with caplog.at_level("WARNING", logger="pagedq.config.settings"):
+        first, second = Settings(), Settings()
+    lines = [r.getMessage() for r in caplog.records if variable in r.getMessage()]
+    assert len(lines) == 1 and "deprecated" in lines[0]
+    assert first == second and not hasattr(first, variable.removeprefix("PAGEDQ_").lower())
+
+
 def test_a_toml_file_in_the_working_directory_is_not_read(monkeypatch, tmp_path):
     (tmp_path / "pagedq.toml").write_text('broker_url = "redis://attacker.example:6379/0"\n')
     monkeypatch.chdir(tmp_path)
