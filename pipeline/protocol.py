@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -61,6 +62,9 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it; added to every step's logi
 # n x max_tokens x (1 + top logprobs): the tokens and logprob entries one answer may hold.  n 128 with 4,096
 # tokens each fits, or 20 top logprobs on 24,966 tokens (a result of ~25 MB of JSON at most).
 MAX_OUTPUT_BUDGET = 1 << 19
+# A regex (a constraint, or a JSON schema's ``pattern``) compiles to an automaton about as large as the pattern
+# with its counted repeats unrolled (``a{1000}`` is a thousand states; ``(a{100}){100}`` ten thousand): bounded.
+MAX_REGEX_EXPANSION = 4096
 
 
 def _valid_unicode(text: str) -> str:
@@ -140,7 +144,83 @@ def _check_constraint(constraint: list[str], info: ValidationInfo) -> None:
     if info.data.get("ignore_eos"):
         raise ValueError("cannot be combined with ignore_eos: the grammar ends the output with an "
                          "end-of-sequence token")
+    _check_regexes(constraint)
     check_constraint(constraint)
+
+
+def _check_regexes(constraint: list[str]) -> None:
+    """Refuse a regex constraint, or a JSON schema ``pattern``, whose unrolled size is over MAX_REGEX_EXPANSION
+    (before anything compiles it: at the edge, and on the GPU worker)."""
+    kind, text = constraint
+    if kind == "regex":
+        patterns = [text]
+    elif kind == "json_schema":
+        patterns, stack = [], [json.loads(text)]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if isinstance(node.get("pattern"), str):
+                    patterns.append(node["pattern"])
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+    else:
+        return
+    for pattern in patterns:
+        size = regex_expansion(pattern)
+        if size > MAX_REGEX_EXPANSION:
+            raise ValueError(f"the regex {pattern[:40]!r} unrolls its counted repeats to {size:,} items; at most "
+                             f"{MAX_REGEX_EXPANSION:,}")
+
+
+_COUNTED = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def regex_expansion(pattern: str) -> int:
+    """About how many items ``pattern`` holds with every counted repeat (``{m}``, ``{m,n}``) unrolled: each atom
+    counts 1, times the repeat that follows it, groups nested multiplying.  ``*``, ``+``, ``?`` and ``{m,}``
+    are loops (counted ``m`` or 1).  Capped just above MAX_REGEX_EXPANSION."""
+    cap = MAX_REGEX_EXPANSION + 1
+    stack, total, i = [0], 0, 0  # stack: the size of each open group so far
+    while i < len(pattern):
+        c, atom = pattern[i], 1
+        if c == "\\":
+            i += 2
+        elif c == "[":
+            i = _class_end(pattern, i)
+        elif c == "(":
+            stack.append(0)
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            atom = stack.pop()
+            i += 1
+        elif c in "|^$":
+            i += 1
+            continue
+        else:
+            i += 1
+        match = _COUNTED.match(pattern, i)
+        if match:
+            low, high = int(match[1]), match[2]
+            atom *= max(low, int(high)) if high else max(low, 1)
+            i = match.end()
+        stack[-1] = min(stack[-1] + atom, cap)
+    for size in reversed(stack):  # groups never closed: their items count once
+        total = min(total + size, cap)
+    return total
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index after the character class that starts at ``pattern[i]`` (``[``)."""
+    j = i + 1
+    if j < len(pattern) and pattern[j] == "^":
+        j += 1
+    if j < len(pattern) and pattern[j] == "]":
+        j += 1
+    while j < len(pattern) and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
 
 
 class SamplingFields(BaseModel):

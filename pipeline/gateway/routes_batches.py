@@ -13,9 +13,10 @@ from pagedq.pipeline.gateway.bodies import read_body, read_json, validate_model
 from pagedq.pipeline.gateway.errors import ApiError
 from pagedq.pipeline.gateway.files import READ_CHUNK
 from pagedq.pipeline.gateway.forms import FormError, parse_form
+from pagedq.pipeline.gateway.keys import Tenant
 from pagedq.pipeline.gateway.openapi import errors, form_body, json_body
 from pagedq.pipeline.gateway.shapes import BatchList, BatchObject, FileDeleted, FileList, FileObject
-from pagedq.pipeline.gateway.state import TenantDep, gateway
+from pagedq.pipeline.gateway.state import Gateway, TenantDep, gateway
 
 router = APIRouter()
 
@@ -30,6 +31,14 @@ _LIST = errors(400, 401, 429, 503)
              responses={200: {"model": FileObject, "description": "the stored file"}, **errors()})
 async def upload_file(request: Request, tenant: TenantDep) -> JSONResponse:
     gw = gateway(request)
+    release = gw.uploads.enter()  # 503 beyond MAX_CONCURRENT_UPLOADS: each upload is held whole while read
+    try:
+        return await _upload(gw, request, tenant)
+    finally:
+        release()
+
+
+async def _upload(gw: Gateway, request: Request, tenant: Tenant) -> JSONResponse:
     limit = gw.config.max_file_bytes
     body = await read_body(request, limit + FORM_OVERHEAD)
     try:

@@ -34,6 +34,7 @@ from pagedq.store.registry import ModelLookups, live_workers
 LIVENESS_CACHE_S = 2.0  # how long "a worker serves model M" is believed without looking again
 READY_CACHE_S = 1.0  # how long the ready workers' counts are believed without looking again
 ASYNC_POOL_SIZE = 64  # asyncio Redis connections per gateway process; a call waits for a free one
+MAX_CONCURRENT_UPLOADS = 4  # file uploads one gateway process receives at once (each held whole: max_file_bytes)
 
 
 @dataclass
@@ -45,13 +46,13 @@ class Admission:
 
     limit: int
     serving: int = 0
+    what: str = "completion requests (PAGEDQ_GATEWAY_LIMIT_CONCURRENCY)"
 
     def enter(self) -> Callable[[], None]:
         """Take a place (``ApiError`` 503 if none is left); returns its release, which is idempotent."""
         if self.serving >= self.limit:
-            raise ApiError(503, f"This gateway process is serving its limit of {self.limit} completion requests "
-                                "(PAGEDQ_GATEWAY_LIMIT_CONCURRENCY); retry shortly.", None, "service_unavailable",
-                           RETRY_AFTER_S)
+            raise ApiError(503, f"This gateway process is serving its limit of {self.limit} {self.what}; retry "
+                                "shortly.", None, "service_unavailable", RETRY_AFTER_S)
         self.serving += 1
         released = False
 
@@ -80,6 +81,7 @@ class Gateway:
         self.files = FileStore(self.r, self.raw, self.keys, self.config.file_ttl_s, self.settings.file_store_share)
         self.batches = BatchStore(self.client, self.files, self.limits, self.keys, self.config)
         self.admission = Admission(self.settings.gateway_limit_concurrency)
+        self.uploads = Admission(MAX_CONCURRENT_UPLOADS, what="file uploads at once")  # bounds their memory
         self._aredis: aredis.Redis | None = None
         self._follower: Follower | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

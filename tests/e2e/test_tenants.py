@@ -12,6 +12,7 @@ two of them sharing a cache group:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -195,3 +196,35 @@ def test_costly_requests_get_a_400_naming_the_field(gateway):
         "input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input_file_id"
     assert "line 2" in reply.json()["error"]["message"]
+
+
+def test_uploads_at_once_are_bounded_per_gateway_process(gateway):
+    """MAX_CONCURRENT_UPLOADS uploads still sending their bodies hold every place: the next is a 503 with
+    Retry-After, before its body is read; once they end, uploads are taken again."""
+    from pagedq.pipeline.gateway.state import MAX_CONCURRENT_UPLOADS
+
+    headers = {"Authorization": "Bearer sk-b", "Content-Type": "multipart/form-data; boundary=b"}
+    line = json.dumps({"custom_id": "x", "url": CHAT, "body": {"messages": [{"role": "user", "content": "hi"}]}})
+    form = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
+            b'form-data; name="file"; filename="in.jsonl"\r\n\r\n' + line.encode() + b"\n\r\n--b--\r\n")
+
+    async def main() -> tuple[list[int], int, int]:
+        go = asyncio.Event()
+
+        async def slow_body():
+            yield form[:50]
+            await go.wait()
+            yield form[50:]
+        async with httpx.AsyncClient(base_url=gateway, timeout=TIMEOUT) as http:
+            held = [asyncio.create_task(http.post("/v1/files", headers=headers, content=slow_body()))
+                    for _ in range(MAX_CONCURRENT_UPLOADS)]
+            await asyncio.sleep(1.0)  # every held upload has taken its place
+            over = await http.post("/v1/files", headers=headers, content=form)
+            go.set()
+            codes = [r.status_code for r in await asyncio.gather(*held)]
+            after = await http.post("/v1/files", headers=headers, content=form)
+            return codes, over, after
+    codes, over, after = asyncio.run(main())
+    assert codes == [200] * MAX_CONCURRENT_UPLOADS
+    assert over.status_code == 503 and over.headers.get("retry-after"), over.text
+    assert after.status_code == 200

@@ -16,10 +16,12 @@ from pagedq.pipeline.protocol import (
     MAX_CACHE_SALT,
     MAX_LOGIT_BIAS,
     MAX_OUTPUT_BUDGET,
+    MAX_REGEX_EXPANSION,
     MAX_STOP_TOKEN_IDS,
     RequestError,
     parse_batch_line,
     parse_request,
+    regex_expansion,
     scoped_cache_salt,
     to_sampling_params,
 )
@@ -104,3 +106,17 @@ def test_the_workers_index_is_named_from_the_record_key():
     assert worker_index_of(names.worker(host)) == (names.workers_index, host)
     assert worker_index_of(names.model("m")) == ("", "")
     assert SamplingParams().stop_token_set == frozenset()
+
+
+def test_regex_counted_repeats_are_bounded():
+    n = random.randrange(MAX_REGEX_EXPANSION + 1, 4 * MAX_REGEX_EXPANSION)
+    assert regex_expansion(f"x{{{n}}}") > MAX_REGEX_EXPANSION
+    assert regex_expansion("(ab{64}){64}") > MAX_REGEX_EXPANSION  # nested repeats multiply
+    assert regex_expansion(r"\d{4}-\d{2}-\d{2}") == 10 and regex_expansion(r"[{]{9}\{3\}") == 12
+    assert refused(CHAT_URL, chat(structured_outputs={"regex": f"[a-z]{{{n}}}"})).param == "structured_outputs"
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^(ab{64}){64}$"}},
+              "required": ["code"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    assert refused(CHAT_URL, chat(response_format=fmt)).param == "response_format"
+    schema["properties"]["code"]["pattern"] = r"^[A-Z]{3}-\d{4}$"
+    assert parse_request(CHAT_URL, chat(response_format=fmt)).constraint[0] == "json_schema"
