@@ -49,6 +49,8 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 NAME_PATTERN = r"^[a-zA-Z0-9_.-]{1,64}$"  # a function's name, declared or called
 _NAME = re.compile(NAME_PATTERN)
+_SEPARATOR = re.compile(r"\s*,?\s*")
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*"([a-zA-Z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(.*)$', re.DOTALL)
 _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -187,15 +189,42 @@ def _named_call(item: Any) -> dict | None:
     return None
 
 
+def _cut_calls(text: str) -> list[dict]:
+    """The calls of a required answer cut short: ``[{"name": N, "arguments": A}, ...`` read call by call, the
+    last one's arguments kept as text."""
+    calls, pos, decoder = [], 1, json.JSONDecoder()
+    if not text.startswith("["):
+        return []
+    while True:
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            break
+        call = _named_call(item)
+        if call is not None:
+            calls.append(call)
+        pos = _SEPARATOR.match(text, pos).end()
+    cut = _CUT_CALL.match(text, pos)
+    if cut is not None:
+        calls.append(_call(cut.group(1), cut.group(2)))
+    return calls
+
+
 def parse_tool_calls(text: str, parsing: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an answer; content None when the answer is only calls.  An answer that does
-    not parse (cut by max_tokens, or free text under ``auto``) is content with no calls."""
+    """(content, tool_calls) of an answer; content None when the answer is only calls.
+
+    A required or named choice always yields calls: its grammar makes the text a prefix of the calls' JSON,
+    so an answer cut by max_tokens (``finish_reason: "length"``, as OpenAI answers) keeps every whole call
+    and the cut one with its arguments as far as they were written (not valid JSON then).  Only a required
+    answer cut inside the first function's name has no call.  Under ``auto``, text that does not parse is
+    content with no calls."""
     if parsing.startswith("function:"):
         ok, arguments = _loads(text)
-        return (None, [_call(parsing.removeprefix("function:"), arguments)]) if ok else (text, [])
+        return None, [_call(parsing.removeprefix("function:"), arguments if ok else text)]
     if parsing == "required":
         ok, items = _loads(text)
         calls = [c for c in map(_named_call, items if ok and isinstance(items, list) else []) if c is not None]
+        calls = calls or _cut_calls(text)
         return (None, calls) if calls else (text, [])
     if parsing != "auto" or "<tool_call>" not in text:
         return text, []

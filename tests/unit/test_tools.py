@@ -124,7 +124,15 @@ def test_answers_become_tool_calls():
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": city}
     content, calls = parse_tool_calls(json.dumps([{"name": "get_time", "arguments": {}}]), "required")
     assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
-    assert parse_tool_calls('{"city": "Pa', "function:get_weather") == ('{"city": "Pa', [])  # cut by max_tokens
+    # cut by max_tokens: a required or named choice still yields its calls, the cut one's arguments as written
+    content, calls = parse_tool_calls(f'{{"city": "{city[:2]}', "function:get_weather")
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": f'{{"city": "{city[:2]}'}
+    whole = json.dumps({"name": "get_time", "arguments": {"city": city}})
+    content, calls = parse_tool_calls(f'[{whole}, {{"name": "get_weather", "arguments": {{"ci', "required")
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "get_time", "arguments": json.dumps({"city": city})},
+        {"name": "get_weather", "arguments": '{"ci'}]
+    assert parse_tool_calls('[{"name": "get_wea', "required") == ('[{"name": "get_wea', [])  # cut in the name
 
 
 def test_the_response_carries_tool_calls_and_their_finish_reason():
@@ -142,7 +150,7 @@ def test_answers_that_cannot_be_calls_never_raise():
     deep = "<tool_call>" + "[" * 100_000
     assert parse_tool_calls(deep, "auto") == (deep, [])
     assert parse_tool_calls("[" * 100_000, "required")[1] == []
-    assert parse_tool_calls("{" * 100_000, "function:f")[1] == []
+    assert parse_tool_calls("{" * 100_000, "function:f")[1][0]["function"]["arguments"] == "{" * 100_000
     surrogate = '<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>'
     [call] = parse_tool_calls(surrogate, "auto")[1]
     call["function"]["arguments"].encode("utf-8")  # an escape, not a lone surrogate
