@@ -367,10 +367,9 @@ class Client:
             self._weights_written.update(dict.fromkeys(due, time.monotonic()))
 
     def _send(self, msg: PreprocessJob, priority: int, line: int | None = None, event_dispatcher=None) -> None:
-        """``line``: a batch line's number (its broker step, with fair dispatch: ``bulk_step``);
-        ``event_dispatcher``: where its task-sent event goes (``send_preprocess``)."""
-        send_preprocess(self.app, msg, priority, line=line if self.settings.fair_share else None,
-                        event_dispatcher=event_dispatcher)
+        """``line``: a batch line's number (its broker step: ``bulk_step``); ``event_dispatcher``: where its
+        task-sent event goes (``send_preprocess``)."""
+        send_preprocess(self.app, msg, priority, line=line, event_dispatcher=event_dispatcher)
 
     @property
     def batch_priority(self) -> int:
