@@ -65,7 +65,7 @@ def wait_until(predicate, timeout: float = TIMEOUT, interval: float = 0.05, what
 def settings(redis_url) -> Settings:
     # result_cache off: requests are repeated through HTTP and the Client, and each must reach the engine
     return Settings(broker_url=redis_url, key_prefix="pgw:", queue_prefix="pgw.", result_cache=False,
-                    max_num_seqs=2, worker_max_inflight=64, kv_cache_memory="256MiB", progress_interval_s=0.5)
+                    max_num_seqs=2, kv_cache_memory="256MiB", progress_interval_s=0.5)
 
 
 def start_gateway(args: list[str], env: dict[str, str], log_path) -> subprocess.Popen:
