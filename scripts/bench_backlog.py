@@ -27,7 +27,6 @@ code (checked: the child reports where ``pagedq.config`` came from).
     python scripts/bench_backlog.py --jobs 300               # a quick look
     python scripts/bench_backlog.py --compare-rev 0b45208    # this tree vs another revision, one run
     python scripts/bench_backlog.py --jobs 2000 --compare-rev 0b45208 --rounds 4   # ABBA x2: ratio per pair
-    PAGEDQ_FAIR_SHARE=true python scripts/bench_backlog.py --compare-rev 0b45208   # fair dispatch vs before
 
 PAGEDQ_* variables reach both revisions' processes, except those REV's settings do not define (left out, and
 said so: an older revision refuses an unknown setting).
