@@ -197,7 +197,10 @@ class Attack:
         batch_id = made.json()["id"]
         deadline = time.monotonic() + self.seconds * 4
         while wait and time.monotonic() < deadline:
-            got = httpx.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
+            try:
+                got = httpx.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
+            except httpx.HTTPError:
+                break  # the gateway went away (the run ended): nothing more to wait for
             if got["status"] in ("completed", "failed", "cancelled", "expired"):
                 break
             time.sleep(1)
