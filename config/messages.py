@@ -152,6 +152,25 @@ class ChoiceOutput:
 
 
 @dataclass
+class PromptScores:
+    """The prompt's side of an answer that echoes it (``echo``) or scores it (vLLM's ``prompt_logprobs``)."""
+
+    token_ids: list[int]
+    echo: bool = False
+    # Per prompt token, the first None (nothing precedes it): {"token": [id, lp, rank], "top": [[id, lp], ...]}.
+    logprobs: list[dict | None] | None = None
+    num_top: int | None = None  # the request's ``prompt_logprobs``: the answer carries vLLM's field
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_token_ids: list[int],
+           logprobs: list[dict | None] | None) -> PromptScores | None:
+        """What the answer needs of its prompt (None: nothing, the usual case)."""
+        if not params.echo and params.prompt_logprobs is None:
+            return None
+        return cls(list(prompt_token_ids), params.echo, logprobs, params.prompt_logprobs)
+
+
+@dataclass
 class Completion:
     """Everything the result consumer needs; travels as JSON on the results queue."""
 
@@ -172,6 +191,7 @@ class Completion:
     fingerprint: str = ""
     tool_parsing: str = ""  # the GenerateJob's
     others: list[ChoiceOutput] = field(default_factory=list)  # choices 1.. of a request with n > 1
+    prompt: PromptScores | None = None  # with ``echo`` or ``prompt_logprobs``
     # The epoch the GPU worker took the job at (``store.jobs.Admitted``): postprocess ends the job only while it
     # is still that take's.  0: unfenced (a Completion from an older worker).
     epoch: int = 0

@@ -18,7 +18,7 @@ GREEDY_EPSILON = 1e-5
 @dataclass
 class SamplingParams:
     n: int = 1  # answers to the one prompt; the engine computes the prompt once (``LLMEngine``)
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: nothing generated (the prompt is only scored: ``prompt_logprobs``, ``echo``)
     temperature: float = 1.0  # < GREEDY_EPSILON = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = off; larger than the vocabulary = off
@@ -31,6 +31,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
+    # vLLM's: top-N logprobs of every prompt token (each token's own beside them); None: not computed.
+    prompt_logprobs: int | None = None
+    echo: bool = False  # the answer starts with the prompt (OpenAI's completions ``echo``): postprocess's business
     include_stop_str_in_output: bool = False
     # ``[kind, text]`` the output must follow (``pagedq.config.constraints``), or None: free text.
     # A list of strings, not an object, so it crosses processes as plain JSON.
@@ -54,6 +57,13 @@ class SamplingParams:
     def max_output_tokens(self) -> int:
         """The most tokens the request can generate: ``max_tokens`` for each of its ``n`` choices."""
         return self.n * self.max_tokens
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-N logprobs the engine computes for each prompt token (``prompt_logprobs``, or ``logprobs`` of an
+        ``echo``ed prompt, whichever is larger); None: the prompt is not scored."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,7 @@ keeps up to one micro-batch per stage in flight (``PipelineExecutor``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ class ReplicaLostError(RuntimeError):
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict | None]  # per row: {"token": (id, logprob), "top": [(id, logprob), ...]}
+    # Prompt tokens scored this step (``workers.model.prompt_logprobs``): [request id, first position, entries].
+    prompt_logprobs: list[list] = field(default_factory=list)
 
 
 @dataclass

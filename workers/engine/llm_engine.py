@@ -80,6 +80,7 @@ class RequestOutput:
     logprobs: list[dict] = field(default_factory=list)  # every generated token's, when asked for
     num_preemptions: int = 0
     error: str | None = None  # with finish_reason "error": what the step raised
+    prompt_logprobs: list[dict | None] | None = None  # once finished, when asked for (``Sequence.prompt_logprobs``)
 
 
 class LLMEngine:
@@ -317,7 +318,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new, output_token_ids=seq.output_token_ids,
             num_prompt_tokens=seq.num_prompt_tokens, finished=seq.is_finished, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_prompt_tokens,
-            logprobs=list(seq.logprobs), num_preemptions=seq.num_preemptions, error=seq.error)
+            logprobs=list(seq.logprobs), num_preemptions=seq.num_preemptions, error=seq.error,
+            prompt_logprobs=seq.prompt_logprobs if seq.is_finished else None)
 
     # --- conveniences -----------------------------------------------------
     def run(self, requests: list[tuple[str, list[int], SamplingParams, int]],
@@ -357,7 +359,10 @@ class LLMEngine:
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s parameters: a seeded request's choices draw from seeds ``seed + index``."""
+    """Choice ``index``'s parameters: a seeded request's choices draw from seeds ``seed + index``.  Choice 0
+    scores the prompt for them all."""
+    if params.num_prompt_logprobs is not None:
+        params = replace(params, prompt_logprobs=None, echo=False)
     if params.seed is None:
         return params
     return replace(params, seed=(params.seed + index) % (1 << 63))

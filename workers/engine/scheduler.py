@@ -307,7 +307,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Give a waiting sequence its cached prefix and room for its next chunk: the chunk's size, or None."""
-        cached = self.bm.find_cached_prefix(seq)
+        # A prompt to score is computed whole: a cached block holds K/V, not the logits of its positions.
+        cached = [] if seq.scores_prompt else self.bm.find_cached_prefix(seq)
         n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
         return n if self.bm.allocate(seq, n, cached) else None
 
@@ -370,10 +371,21 @@ class Scheduler:
             st.prompt_tokens_computed += _prompt_part(seq, n)  # its tenant was charged when it was planned
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
+        if result.sampled.prompt_logprobs:
+            by_id = {seq.request_id: seq for seq, _ in result.sched.scheduled}
+            for request_id, position, entries in result.sampled.prompt_logprobs:
+                by_id[request_id].prompt_logprobs[position:] = entries
         finished: list[Sequence] = []
+        stepped: list[Sequence] = []
         served: dict[str, int] = {}  # tenant -> tokens generated this step, charged once per tenant below
         for seq, token, logprob in zip(result.seqs, result.sampled.token_ids, result.sampled.logprobs,
                                        strict=True):
+            if seq.params.max_tokens == 0:  # its prompt is scored; it generates nothing
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+                self._remove(seq)
+                finished.append(seq)
+                continue
+            stepped.append(seq)
             served[seq.tenant] = served.get(seq.tenant, 0) + 1
             seq.token_ids.append(token)
             if logprob is not None:
@@ -391,8 +403,8 @@ class Scheduler:
         if self.probe and any(seq is self.probe[0] for seq, _ in result.sched.scheduled):
             self.probe.popleft()  # it ran alone without raising: not the cause
         st.steps += 1
-        st.generated_tokens += len(result.seqs)
-        return result.seqs, finished
+        st.generated_tokens += len(stepped)
+        return stepped, finished
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -48,6 +48,9 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # what its step raised, when it ended with finish_reason "error"
         self.logprobs: list[dict] = []
+        # Per prompt token, in order, as the prefill computes them (the first token's None: nothing precedes it);
+        # None when the request does not score its prompt (``params.num_prompt_logprobs``).
+        self.prompt_logprobs: list[dict | None] | None = None if params.num_prompt_logprobs is None else [None]
         self.grammar = grammar  # set when params.constraint is: the sampler masks what it does not allow
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -68,6 +71,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens' logprobs are still to compute: its prompt must not come from the prefix cache."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -9,7 +9,7 @@ import ctypes
 import logging
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from pagedq.workers.engine.scheduler import SchedulerOutput
 from pagedq.workers.engine.sequence import Sequence
 from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.decoder import DecoderModel
+from pagedq.workers.model.prompt_logprobs import plan_spans, score_spans
 from pagedq.workers.model.sampler import sample
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class StepInputs:
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
     sample_seqs: list[Sequence]  # the driver's sequences for those rows (empty on other stages)
     packed: torch.Tensor  # int64: all of the above but the sequences, what other stages receive
+    prompt_spans: list = field(default_factory=list)  # prompt tokens scored this step (``prompt_logprobs``)
 
     @property
     def num_tokens(self) -> int:
@@ -63,15 +65,21 @@ class StepInputs:
 _HEADER = 7  # num_tokens, num_decodes, decode table width, num_prefills, prefill table width, num_sampled, spare
 
 
+def step_order(sched: SchedulerOutput) -> list[tuple[Sequence, int]]:
+    """The scheduled (sequence, tokens) in the order of the step's rows (``pack_step``)."""
+    by_context = sorted(sched.scheduled, key=lambda x: x[0].num_computed_tokens + x[1])
+    return [(s, n) for s, n in by_context if n == 1] + [(s, n) for s, n in by_context if n > 1]
+
+
 def pack_step(sched: SchedulerOutput, block_size: int) -> tuple[list[int], list[Sequence]]:
     """Flatten a scheduled step into one list of ints (layout: ``unpack_step``) and the sampled sequences.
 
     Decodes come first, then prefill chunks; each group shortest context first
     (the CPU attention path batches neighbours of similar length together).
     """
-    by_context = sorted(sched.scheduled, key=lambda x: x[0].num_computed_tokens + x[1])
-    decodes = [(s, n) for s, n in by_context if n == 1]
-    prefills = [(s, n) for s, n in by_context if n > 1]
+    ordered = step_order(sched)
+    decodes = [(s, n) for s, n in ordered if n == 1]
+    prefills = [(s, n) for s, n in ordered if n > 1]
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -140,7 +148,9 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         packed, sample_seqs = pack_step(sched, self.block_size)
-        return unpack_step(torch.tensor(packed, dtype=torch.long).to(self.device), sample_seqs, packed[:_HEADER])
+        inputs = unpack_step(torch.tensor(packed, dtype=torch.long).to(self.device), sample_seqs, packed[:_HEADER])
+        inputs.prompt_spans = plan_spans(step_order(sched))
+        return inputs
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,9 +161,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, inputs: StepInputs, seqs: list[Sequence]) -> SamplerOutput:
-        if not seqs:
-            return SamplerOutput([], [])
-        return sample(self.model.compute_logits(hidden[inputs.sample_rows]), seqs)
+        out = sample(self.model.compute_logits(hidden[inputs.sample_rows]), seqs) if seqs else SamplerOutput([], [])
+        out.prompt_logprobs = score_spans(self.model.compute_logits, hidden, inputs.prompt_spans)
+        return out
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
         """One forward pass over the scheduled tokens; samples for sequences whose prompt is done."""

@@ -148,7 +148,8 @@ class PipelineExecutor:
         p = self.parallel
         inputs = self.runner.prepare(sched)
         seqs = inputs.sample_seqs
-        control = encode_json(self._control(seqs), self.replica.comm_device) if p.pipeline_stages > 1 else None
+        control = encode_json({**self._control(seqs), "prompt": inputs.prompt_spans},
+                              self.replica.comm_device) if p.pipeline_stages > 1 else None
         for shard in range(1, p.tensor_parallel):
             self._send(shard, Message(Kind.BATCH, inputs.packed, control))
         hidden = self.runner.forward(inputs)
@@ -273,10 +274,10 @@ class PipelineExecutor:
 
 
 def encode_sampled(sampled: SamplerOutput) -> dict:
-    return {"tokens": sampled.token_ids, "logprobs": sampled.logprobs}
+    return {"tokens": sampled.token_ids, "logprobs": sampled.logprobs, "prompt": sampled.prompt_logprobs}
 
 
 def decode_sampled(raw: dict) -> SamplerOutput:
     logprobs = [None if lp is None else {"token": tuple(lp["token"]), "top": [tuple(t) for t in lp["top"]]}
                 for lp in raw["logprobs"]]
-    return SamplerOutput(raw["tokens"], logprobs)
+    return SamplerOutput(raw["tokens"], logprobs, raw.get("prompt") or [])

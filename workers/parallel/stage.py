@@ -74,7 +74,9 @@ class StageWorker:
         if r.downstream is not None:
             self.link.send(r.downstream, Message(Kind.BATCH, msg.plan, msg.control, hidden))
         elif self.samples:
-            seqs = self.update_sequences(decode_json(msg.control))
+            control = decode_json(msg.control)
+            seqs = self.update_sequences(control)
+            inputs.prompt_spans = control.get("prompt", [])
             sampled = self.runner.sample(hidden, inputs, seqs)
             for seq, token in zip(seqs, sampled.token_ids, strict=True):
                 seq.token_ids.append(token)
