@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from pagedq.pipeline.gateway.keys import Tenant
-from pagedq.pipeline.protocol import CHAT_URL, AnyRequest, RequestError, scoped_cache_salt
+from pagedq.pipeline.protocol import CHAT_URL, AnyRequest, RequestError
 
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # the second is vLLM's, honoured with the first
 
@@ -56,7 +56,6 @@ def split_body(url: str, body: dict, tenant: Tenant, default_priority: int) -> S
                            "continuous_usage_stats (booleans)", "stream_options")
     if body.get("priority") is None:
         body["priority"] = min(default_priority, tenant.max_priority)
-    body["cache_salt"] = scoped_cache_salt(tenant.cache_scope, body.get("cache_salt"))  # private caches
     usage = bool((options or {}).get("include_usage"))
     return Submission(url, body, timeout_s, usage, options is not None,
                       usage and bool(options.get("continuous_usage_stats")))

@@ -27,6 +27,7 @@ from pagedq.pipeline.gateway.files import FileStore
 from pagedq.pipeline.gateway.follow import Follower, Tick
 from pagedq.pipeline.gateway.keys import ANONYMOUS, KeyRing, Tenant
 from pagedq.pipeline.gateway.limits import TenantLimits
+from pagedq.pipeline.protocol import scoped_cache_salt
 from pagedq.store.connection import async_redis_client, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
 from pagedq.store.registry import ModelLookups, live_workers
@@ -143,7 +144,9 @@ class Gateway:
         return JobStatus.from_record(job_id, rec), rec
 
     def submit(self, tenant: Tenant, kwargs: dict) -> str:
-        """``Client.submit(**kwargs)`` within the tenant's limits; the job is written with its tenant."""
+        """``Client.submit(**kwargs)`` within the tenant's limits; the job is written with its tenant, and runs in
+        its cache scope (``scoped_cache_salt``: no other tenant's cached answers or prompt blocks)."""
+        kwargs = {**kwargs, "cache_salt": scoped_cache_salt(tenant.cache_scope, kwargs.get("cache_salt"))}
         reservation = self.limits.reserve(tenant, 1)
         try:
             job_id = self.client.submit(**kwargs, tenant=tenant.name)

@@ -25,7 +25,7 @@ from pagedq.pipeline.gateway.requests import check_allowed, split_body
 from pagedq.pipeline.gateway.serve import is_loopback
 from pagedq.pipeline.gateway.shapes import ChunkShape, sse
 from pagedq.pipeline.gateway.state import Admission
-from pagedq.pipeline.protocol import CHAT_URL, COMPLETIONS_URL, RequestError, parse_request, scoped_cache_salt
+from pagedq.pipeline.protocol import CHAT_URL, COMPLETIONS_URL, RequestError, parse_request
 
 
 # --- API keys ----------------------------------------------------------------------------------------------
@@ -97,15 +97,13 @@ def test_split_body_reads_gateway_fields_and_caps_the_default_priority():
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7, "timeout_s": 2.5,
             "stream": True, "stream_options": {"include_usage": True}}
     sub = split_body(CHAT_URL, body, tenant, default_priority=5)
-    salt = scoped_cache_salt("tenant:t", None)  # every request runs in its tenant's cache scope
     assert sub.body == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "stream": True,
-                        "priority": 3, "cache_salt": salt}
+                        "priority": 3}
     assert (sub.timeout_s, sub.include_usage, sub.kind) == (2.5, True, "chat")
     assert sub.submit_kwargs() == {"messages": [{"role": "user", "content": "hi"}], "timeout_s": 2.5,
-                                   "max_tokens": 7, "stream": True, "priority": 3, "cache_salt": salt}
+                                   "max_tokens": 7, "stream": True, "priority": 3}
     text = split_body(COMPLETIONS_URL, {"prompt": "x", "priority": 2}, Tenant("t"), 5)
-    assert text.submit_kwargs() == {"prompt": "x", "timeout_s": None, "priority": 2, "cache_salt": salt}
-    assert text.kind == "text"
+    assert text.submit_kwargs() == {"prompt": "x", "timeout_s": None, "priority": 2} and text.kind == "text"
     assert "max_completion_tokens" in split_body(COMPLETIONS_URL, {"max_completion_tokens": 3}, tenant, 5).body
 
 
