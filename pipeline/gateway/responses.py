@@ -88,13 +88,12 @@ def _status(rec: dict[str, str] | None, result: dict | None) -> tuple[str, dict 
                       "message": error.get("message") or f"the job ended {state}"}, None
 
 
-def response_object(stored: StoredResponse, rec: dict[str, str] | None, result: dict | None,
-                    status: str | None = None) -> dict:
+def response_object(stored: StoredResponse, rec: dict[str, str] | None, result: dict | None) -> dict:
     """The Responses object of ``stored`` whose job has record ``rec`` and (once completed) ``result``."""
     found, error, incomplete = _status(rec, result)
     req = stored.request
     fmt = (req.get("text") or {}).get("format") or {"type": "text"}
-    return {"id": stored.id, "object": "response", "created_at": stored.created_at, "status": status or found,
+    return {"id": stored.id, "object": "response", "created_at": stored.created_at, "status": found,
             "background": stored.background, "error": error, "incomplete_details": incomplete,
             "instructions": req.get("instructions"), "max_output_tokens": req.get("max_output_tokens"),
             "model": req["model"], "output": output_items(stored.job_id, result) if result else [],
