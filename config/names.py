@@ -313,6 +313,11 @@ class Names:
         request paths list models without scanning the keyspace."""
         return f"{self.key_prefix}models"
 
+    def model_folders(self, model: str) -> str:
+        """Hash: host name -> the folder a GPU worker on that host serves the model from (a CPU worker there
+        reads the tokenizer from it, ``store/model_names.py``); each host may keep its folder elsewhere."""
+        return f"{self.key_prefix}model-folders:{model_slug(model)}"
+
     @property
     def workers_index(self) -> str:
         """Sorted set: hostname -> when its record (``names.worker``) expires (Redis clock), kept by every

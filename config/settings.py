@@ -15,11 +15,12 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -27,6 +28,7 @@ from pydantic_settings import (
 
 from pagedq.config.scheduling import DEFAULT_TENANT
 from pagedq.config.sentinel import parse_sentinel_url
+from pagedq.config.served import parse_served_names
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,10 @@ class Settings(BaseSettings):
 
     # --- model -------------------------------------------------------------
     model: str = DEFAULT_MODEL
+    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="the names requests call the model by (vLLM's --served-model-name), e.g. "
+                          "smollm2,default-chat: the first is its name everywhere (queue, registry, result cache, "
+                          "answers), the others aliases; unset = PAGEDQ_MODEL is the name")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "auto"
     max_model_len: int | None = None
@@ -192,6 +198,11 @@ class Settings(BaseSettings):
     @classmethod
     def _sizes(cls, value: int | str) -> int:
         return parse_bytes(value)
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _served_names(cls, value: object) -> list[str] | None:
+        return parse_served_names(value)
 
     @field_validator("broker_url")
     @classmethod

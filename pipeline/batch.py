@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedq.config import Settings
-from pagedq.config.messages import ChoiceOutput
+from pagedq.config.messages import ChoiceOutput, PromptScores
 from pagedq.pipeline.postprocess import Completion, batch_output_line, build_response
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import (
@@ -93,7 +93,8 @@ def _run(engine, input_path: Path, output_path: Path, progress: bool) -> dict:
             output_token_ids=out.output_token_ids, num_prompt_tokens=out.num_prompt_tokens,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason, num_cached_tokens=out.num_cached_tokens,
             logprobs=out.logprobs, want_logprobs=p.request.num_logprobs,
-            tool_parsing=getattr(p.request, "tool_parsing", ""), others=[ChoiceOutput.of(o) for o in out.others])
+            tool_parsing=getattr(p.request, "tool_parsing", ""), others=[ChoiceOutput.of(o) for o in out.others],
+            prompt=PromptScores.of(to_sampling_params(p.request), p.prompt_ids, out.prompt_logprobs))
         prepared[i] = batch_output_line(p.custom_id, build_response(completion, engine.tokenizer))
     with open(output_path, "w") as f:
         for item in prepared:

@@ -19,10 +19,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pagedq.config import Settings
+from pagedq.config.served import default_model
 
 # Settings a command line flag of the same name overrides (engine and worker commands).
-ENGINE_FLAGS = ("model", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                "pipeline_stages", "tensor_parallel", "stage_master")
+ENGINE_FLAGS = ("model", "served_model_name", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                "block_size", "pipeline_stages", "tensor_parallel", "stage_master")
 
 
 class CliError(Exception):
@@ -372,9 +373,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_cache_invalidate(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        model = args.model or client.settings.model
+        model = args.model or default_model(client.settings)
         served = client.served_models()
-        if model not in served and model != client.settings.model:
+        if model not in served and model != default_model(client.settings):
             raise CliError(f"model: unknown model {model!r}; served: {served}")
         version_ = client.invalidate_cache(model)
     print(f"result cache of {model}: version {version_}; earlier entries unreachable")
@@ -438,6 +439,9 @@ def _write_lines(lines: list[dict], output: str) -> None:
 def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name or local Hugging Face folder (default: PAGEDQ_MODEL, the packaged "
                                    "SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", dest="served_model_name", action="extend", nargs="+", metavar="NAME",
+                   help="a name requests call the model by (repeat, or give several): the first is the model's "
+                        "name everywhere, the others aliases (default: PAGEDQ_SERVED_MODEL_NAME, else --model)")
     p.add_argument("--kv-cache-memory", dest="kv_cache_memory", help="KV cache size in bytes, e.g. 2GiB (default 2GiB)")
     p.add_argument("--max-num-seqs", type=int, help="sequences in the running batch at most (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens computed in one step at most (default 1024)")

@@ -264,7 +264,7 @@ class Client:
         body = cache_body(req)
         if not (self.settings.result_cache and req.use_result_cache and is_deterministic(body)):
             return {}, None
-        body["max_tokens"] = req.max_tokens or DEFAULT_MAX_TOKENS
+        body.setdefault("max_tokens", DEFAULT_MAX_TOKENS)  # 0 (a prompt scored) is not the default
         fields = {"cache_request": request_digest(url, body), "cache_version": self.cache.version(req.model)}
         info = lookup_model(self.r, self.names, req.model)
         if info is None:

@@ -52,6 +52,7 @@ from pagedq.config.names import (
     Names,
 )
 from pagedq.config.scheduling import SchedulingMeta
+from pagedq.config.served import default_model, local_model
 from pagedq.pipeline.postprocess import build_response, cache_answer
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import ChatCompletionRequest, RequestError, parse_request, to_sampling_params
@@ -60,6 +61,7 @@ from pagedq.store.deadlines import DeadlineWatch, start_watching
 from pagedq.store.dispatch import FairDispatch
 from pagedq.store.jobs import JobStore
 from pagedq.store.lost_jobs import LostJobSweep
+from pagedq.store.model_names import registered_folder
 from pagedq.store.registry import ModelInfo, lookup_model
 from pagedq.store.result_cache import ResultCache
 from pagedq.workers.celery_worker import run_celery_worker, sent_events
@@ -80,7 +82,8 @@ class Tokenizers:
 
     def __init__(self, state_dir, registered_path) -> None:
         self.state_dir = state_dir
-        self.registered_path = registered_path  # model name -> the registered folder, or ""
+        # model name -> the registered folder on this host, else what to resolve here (a served name: PAGEDQ_MODEL)
+        self.registered_path = registered_path
         self._cache: dict = {}
         self._lock = threading.Lock()
 
@@ -99,7 +102,7 @@ class Tokenizers:
 
                 path = self.registered_path(model)
                 if not (path and os.path.isdir(path)):
-                    path = resolve_model(model, self.state_dir).path
+                    path = resolve_model(path or model, self.state_dir).path
                 self._cache[model] = AutoTokenizer.from_pretrained(path)
             return self._cache[model]
 
@@ -299,8 +302,9 @@ def run_cpu_worker(settings: Settings, hostname: str | None = None, loglevel: st
     names = Names.from_settings(settings)
     hostname = hostname or worker_hostname("cpu")
     app = make_celery(settings, url)
-    tokenizers = Tokenizers(settings.state_dir, lambda model: getattr(lookup_model(r, names, model), "path", ""))
-    start_warming(tokenizers, settings.model, lambda model: lookup_model(r, names, model) is not None)
+    tokenizers = Tokenizers(settings.state_dir, lambda model: registered_folder(r, names, model)
+                            or local_model(settings, model))
+    start_warming(tokenizers, default_model(settings), lambda model: lookup_model(r, names, model) is not None)
     store = JobStore.from_settings(r, names, settings)
     register_cpu_tasks(app, settings, r, store, names, tokenizers)
     sweep = LostJobSweep(store, lambda msg, priority: send_preprocess(app, msg, priority),

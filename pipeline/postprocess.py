@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
-from pagedq.config.messages import ChoiceOutput, Completion
+from pagedq.config.messages import ChoiceOutput, Completion, PromptScores
 from pagedq.pipeline.tools import parse_tool_calls
 from pagedq.store.result_cache import ResultCache
 
@@ -47,6 +48,8 @@ def _choice(c: Completion, index: int, out: Completion | ChoiceOutput, tokenizer
                     "stop_reason": out.stop_reason}
     if c.kind != "chat":
         choice["text"] = out.text
+        if c.prompt is not None:
+            _with_prompt(choice, c.prompt, c.want_logprobs, _TokenStrings(tokenizer))
         return choice
     choice["message"] = {"role": "assistant", "content": out.text}
     if c.tool_parsing:
@@ -56,6 +59,49 @@ def _choice(c: Completion, index: int, out: Completion | ChoiceOutput, tokenizer
             if out.finish_reason == "stop":
                 choice["finish_reason"] = "tool_calls"
     return choice
+
+
+class _TokenStrings(dict):
+    """Token id -> its text, each decoded once (a scored prompt repeats its tokens among the top ones)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = _token_str(self.tokenizer, token_id)
+        return text
+
+
+def _with_prompt(choice: dict, prompt: PromptScores, want_logprobs: int | None, strings: _TokenStrings) -> None:
+    """The prompt before the answer (``echo``: its text, and its tokens' logprobs when ``logprobs`` is asked,
+    the first token's None as OpenAI's), and vLLM's ``prompt_logprobs`` list when asked."""
+    scored = prompt.logprobs[1:] if prompt.logprobs is not None else []
+    if prompt.echo:
+        text = strings.tokenizer.decode(prompt.token_ids)
+        choice["text"] = text + choice["text"]
+        answer = choice["logprobs"]
+        if answer is not None:
+            tokens = [strings[t] for t in prompt.token_ids]
+            offsets = list(itertools.accumulate([len(t) for t in tokens[:-1]], initial=0))
+            choice["logprobs"] = {
+                "tokens": tokens + answer["tokens"],
+                "token_logprobs": [None] + [e["token"][1] for e in scored] + answer["token_logprobs"],
+                "top_logprobs": [None] + [{strings[t]: v for t, v in e["top"][:want_logprobs]} for e in scored]
+                + answer["top_logprobs"],
+                "text_offset": offsets + [o + len(text) for o in answer["text_offset"]]}
+    if prompt.num_top is not None:
+        choice["prompt_logprobs"] = [None] + [_vllm_prompt_position(e, prompt.num_top, strings) for e in scored]
+
+
+def _vllm_prompt_position(entry: dict, num_top: int, strings: _TokenStrings) -> dict:
+    """One position of vLLM's ``prompt_logprobs``: token id (a string) -> logprob, rank, decoded token; the
+    prompt's own token first, then the ``num_top`` most likely."""
+    token, logprob, rank = entry["token"]
+    position = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": strings[token]}}
+    for r, (t, v) in enumerate(entry["top"][:num_top], start=1):
+        position.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": strings[t]})
+    return position
 
 
 def build_response(c: Completion, tokenizer) -> dict:

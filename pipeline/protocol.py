@@ -390,7 +390,20 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: Literal[False] = False
+    echo: bool = False  # the answer starts with the prompt; with ``logprobs``, the prompt's tokens are scored too
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # vLLM's: top-N beside each prompt token's
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_INT)] | None = None  # 0: score the prompt, generate nothing
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        """OpenAI's list of prompts, of one prompt (what lm-eval sends): that prompt."""
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) > 1:
+                raise ValueError(f"one prompt per request: a list of {len(v)} prompts is not supported yet; "
+                                 "send them one at a time (or as batch lines)")
+            return v[0]
+        return v
 
     @property
     def num_logprobs(self) -> int | None:
@@ -402,12 +415,18 @@ AnyRequest = ChatCompletionRequest | CompletionRequest
 
 def to_sampling_params(req: AnyRequest) -> SamplingParams:
     return SamplingParams(
-        n=req.n, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
+        n=req.n, max_tokens=max_tokens_of(req), temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop or [],
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
         constraint=req.constraint, logit_bias={int(k): b for k, b in (req.logit_bias or {}).items()},
-        cache_salt=req.cache_salt or "")
+        cache_salt=req.cache_salt or "", echo=getattr(req, "echo", False),
+        prompt_logprobs=getattr(req, "prompt_logprobs", None))
+
+
+def max_tokens_of(req: AnyRequest) -> int:
+    """The request's ``max_tokens``, DEFAULT_MAX_TOKENS when left out (0 is a prompt scored, not a default)."""
+    return DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
 
 
 def scoped_cache_salt(scope: str, salt: Any) -> Any:
@@ -448,12 +467,27 @@ def parse_request(url: str, body: Any) -> AnyRequest:
     except ValidationError as e:
         raise validation_to_request_error(e) from None
     check_output_budget(req)
+    check_scoring(req)
     return req
+
+
+def check_scoring(req: AnyRequest) -> None:
+    """Refuse ``max_tokens: 0`` unless the prompt is scored (``echo``, ``prompt_logprobs``), and scoring a
+    streamed answer (not supported yet)."""
+    if not isinstance(req, CompletionRequest):
+        return
+    scored = req.echo or req.prompt_logprobs is not None
+    if req.max_tokens == 0 and not scored:
+        raise RequestError("max_tokens: 0 only with echo or prompt_logprobs (a prompt scored, nothing generated)",
+                           "max_tokens")
+    if scored and req.stream:
+        field = "echo" if req.echo else "prompt_logprobs"
+        raise RequestError(f"{field}: cannot be combined with stream yet", field)
 
 
 def check_output_budget(req: AnyRequest) -> None:
     """Refuse a request whose answer could hold more than MAX_OUTPUT_BUDGET tokens and logprob entries."""
-    max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+    max_tokens = max_tokens_of(req)
     per_token = 1 + (req.num_logprobs or 0)
     cost = req.n * max_tokens * per_token
     if cost > MAX_OUTPUT_BUDGET:
@@ -463,7 +497,7 @@ def check_output_budget(req: AnyRequest) -> None:
 
 
 # OpenAI fields that would change the answer and that pagedq does not implement yet: a 400 naming them.
-NOT_SUPPORTED_YET = {"functions", "function_call",
+NOT_SUPPORTED_YET = {"functions", "function_call", "prompt_logprobs",
                      "best_of", "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
                      "web_search_options"}
 

@@ -119,7 +119,7 @@ def registered_models(r: redis.Redis, names: Names) -> dict[str, str]:
     pipe = r.pipeline(transaction=False)
     for key in keys:
         pipe.hmget(key, "name", "queue")
-    return {name: queue for name, queue in pipe.execute() if name}
+    return {name: queue for name, queue in pipe.execute() if name and queue}  # an alias has no queue
 
 
 def queue_depths(r: redis.Redis, names: Names, queues: list[str]) -> dict[str, dict[int, int]]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import annotated_types
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
+from pydantic_settings import NoDecode
 
 from pagedq.config.settings import DEPRECATED_VARIABLES, Settings
 
@@ -38,7 +39,8 @@ FACTORY_DEFAULTS = {"state_dir": "`$XDG_CACHE_HOME/pagedq`, else `~/.cache/paged
 NOTES = {
     "key_prefix": "prefix of every Redis key, kombu's included: separate deployments on one Redis",
     "queue_prefix": "prefix of every queue name",
-    "model": "model name or local Hugging Face folder; also the model a request without `model` gets",
+    "model": "model name or local Hugging Face folder; also the model a request without `model` gets (unless "
+             "`PAGEDQ_SERVED_MODEL_NAME` names it)",
     "dtype": "weights and activations; fp32 is the fast CPU path",
     "device": "`auto` = `cuda` when available, else `cpu`; or a device such as `cuda:1`",
     "max_model_len": "cap on prompt + output tokens; unset = the model's",
@@ -61,6 +63,7 @@ NOTES = {
 # Where a setting is explained at length.
 SEE_ALSO = {
     "control_secret": "security.md#control-messages-one-key-per-deployment",
+    "served_model_name": "deploy.md#served-model-names",
     "redis_master_name": "queue.md#redis-sentinel",
     "redis_min_replicas_ack": "queue.md#redis-sentinel",
     "file_store_share": "http.md#storage-quotas",
@@ -174,6 +177,8 @@ def description(name: str, field: FieldInfo) -> str:
 def row(name: str) -> str:
     field = Settings.model_fields[name]
     kind = type_name(field.annotation)
+    if NoDecode in field.metadata:  # its validator reads the text itself (e.g. a,b or a JSON list)
+        kind = kind.replace("JSON list of str", "names (comma-separated or a JSON list)")
     if name in size_fields():
         kind = "size"
     if field.annotation is not None and type(None) in typing.get_args(field.annotation):

@@ -51,7 +51,10 @@ def served_models(r: redis.Redis, names: Names) -> list[str]:
 
 def lookup_model(r: redis.Redis, names: Names, model: str) -> ModelInfo | None:
     raw = r.hgetall(names.model(model))
-    if not raw or raw.get("name") != model:
+    if raw.get("alias_of") and raw.get("name") == model:  # another served name of a model (store/model_names.py)
+        model = raw["alias_of"]
+        raw = r.hgetall(names.model(model))
+    if not raw or raw.get("name") != model or raw.get("alias_of"):
         return None
     return ModelInfo(name=raw["name"], fingerprint=raw["fingerprint"], max_model_len=int(raw["max_model_len"]),
                      vocab_size=int(raw["vocab_size"]), queue=raw["queue"], path=raw.get("path", ""),

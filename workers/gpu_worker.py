@@ -60,6 +60,7 @@ from pagedq.config.messages import (
     GenerateJob,
     JobNotCompleted,
     MalformedMessageError,
+    PromptScores,
     RequestError,
     parse_message,
     to_json,
@@ -455,7 +456,7 @@ def conclude(app: Celery, handle: Handle, store: JobStore, names: Names, fingerp
         num_prompt_tokens=out.num_prompt_tokens, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
         num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs, want_logprobs=job.params.logprobs,
         fingerprint=fingerprint, tool_parsing=job.tool_parsing, others=[ChoiceOutput.of(o) for o in others],
-        epoch=handle.epoch or 0)
+        epoch=handle.epoch or 0, prompt=PromptScores.of(job.params, job.prompt_token_ids, out.prompt_logprobs))
     app.send_task(POSTPROCESS_TASK, args=[to_json(completion)], priority=broker_priority(job.priority),
                   argsrepr=completion.describe(), kwargsrepr="{}", event_dispatcher=sent_events())
     return summary

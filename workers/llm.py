@@ -16,13 +16,14 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from pagedq.config import Settings, get_settings
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.config.served import engine_model_name
 from pagedq.kernels import get_attention_backend
 from pagedq.workers.detokenizer import IncrementalDetokenizer
 from pagedq.workers.engine.executor import Executor
@@ -66,6 +67,7 @@ class LLM:
         if s.num_threads:
             torch.set_num_threads(s.num_threads)
         source = resolve_model(model or s.model, s.state_dir)
+        source = replace(source, name=engine_model_name(s, source.name))  # PAGEDQ_SERVED_MODEL_NAME's first
         self.model_path = source.path
         self.cfg = ModelConfig.from_folder(source.path)
         from transformers import AutoTokenizer

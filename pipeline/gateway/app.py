@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from pagedq.config import Settings, get_settings
+from pagedq.config.served import default_model
 from pagedq.pipeline.gateway import openapi, responses, routes_batches, routes_completions, routes_jobs
 from pagedq.pipeline.gateway.config import KEYS_FILE_VARIABLE, GatewayConfig
 from pagedq.pipeline.gateway.errors import RETRY_AFTER_S, ApiError, install_handlers
@@ -88,7 +89,7 @@ async def ready(request: Request) -> dict:
     """A GPU worker serves the default model."""
     gw = gateway(request)
     workers = await run_in_threadpool(gw.ready_workers)
-    if gw.settings.model not in workers:
-        raise ApiError(503, f"No ready GPU worker serves the default model {gw.settings.model!r}.", None,
+    if default_model(gw.settings) not in workers:
+        raise ApiError(503, f"No ready GPU worker serves the default model {default_model(gw.settings)!r}.", None,
                        "service_unavailable", RETRY_AFTER_S)
     return Health(redis="ok", workers=workers).model_dump()

@@ -196,7 +196,8 @@ def _model_object(gw: Gateway, name: str) -> dict | None:
     info = lookup_model(gw.r, gw.names, name)
     if info is None:
         return None
-    return ModelObject(id=info.name, created=int(info.updated_at), max_model_len=info.max_model_len).model_dump()
+    # id: the name asked for, an alias too (each of a model's served names is listed)
+    return ModelObject(id=name, created=int(info.updated_at), max_model_len=info.max_model_len).model_dump()
 
 
 @router.get("/v1/models", response_model=ModelList, responses=errors(401, 429, 503))

@@ -18,6 +18,7 @@ elsewhere must renew its record within a heartbeat interval.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -31,6 +32,7 @@ from pydantic import SecretStr
 
 from pagedq.config import Settings
 from pagedq.config.names import Names
+from pagedq.config.served import engine_model_name
 from pagedq.pipeline.local.redis_server import ensure_broker
 from pagedq.pipeline.local.topology import ensure_topology
 from pagedq.store.connection import redis_client
@@ -99,7 +101,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
         if isinstance(value, SecretStr):
             value = value.get_secret_value()  # in the child's environment, never in its argv
         if value is not None:
-            env[f"PAGEDQ_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+            env[f"PAGEDQ_{name.upper()}"] = (str(value).lower() if isinstance(value, bool) else
+                                             json.dumps(value) if isinstance(value, (list, dict)) else str(value))
     return env
 
 
@@ -148,8 +151,9 @@ class Stack:
         if not self.reuse_workers:
             return self.num_gpu, self.num_cpu
         r = redis_client(self.url, settings=self.settings)
+        served = engine_model_name(self.settings, self.model)  # what its GPU workers' records name
         serving = {host: rec for host, rec in live_workers(r, self.names).items() if rec.get("ready") == "1" and
-                   (rec.get("role") == "cpu" or (rec.get("role") == "gpu" and rec.get("model") == self.model))}
+                   (rec.get("role") == "cpu" or (rec.get("role") == "gpu" and rec.get("model") == served))}
         self.reused = judge_workers(r, self.names, serving, self.settings.worker_ttl_s)
         for verdict in self.reused:
             log.info("%s", verdict.line())
@@ -165,12 +169,13 @@ class Stack:
         self._started += 1
         return worker_hostname(role, self._started - 1)
 
-    def add_worker(self, role: str, extra_env: dict[str, str] | None = None) -> Child:
+    def add_worker(self, role: str, extra_env: dict[str, str] | None = None, model: str | None = None) -> Child:
+        """A GPU or CPU worker; a GPU worker serves ``model`` (default: the stack's)."""
         hostname = self._next_hostname(role)
         verb = "worker" if role == "gpu" else "cpu-worker"
         cmd = [sys.executable, "-m", "pagedq.pipeline.cli", verb, "--hostname", hostname, "--loglevel", self.loglevel]
         if role == "gpu":
-            cmd += ["--model", self.model]
+            cmd += ["--model", model or self.model]
         log_path = None
         if self.log_dir:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
