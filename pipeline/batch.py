@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pagedq.config import Settings
 from pagedq.config.messages import ChoiceOutput, PromptScores
+from pagedq.config.served import served_names
 from pagedq.pipeline.postprocess import Completion, batch_output_line, build_response
 from pagedq.pipeline.preprocess import render_prompt
 from pagedq.pipeline.protocol import (
@@ -31,8 +32,8 @@ class PreparedLine:
     prompt_ids: list[int]
 
 
-def _check_model(req: AnyRequest, served: str) -> None:
-    if req.model not in (None, served):
+def _check_model(req: AnyRequest, served: str, aliases: list[str]) -> None:
+    if req.model not in (None, served, *aliases):
         raise RequestError(f"model: unknown model {req.model!r}; this engine serves {served!r}", "model",
                            code="model_not_found")
 
@@ -44,7 +45,7 @@ def prepare_lines(lines: list[str], engine) -> list[PreparedLine | dict]:
         custom_id = None
         try:
             custom_id, req, _ = parse_batch_line(line)
-            _check_model(req, engine.model_name)
+            _check_model(req, engine.model_name, served_names(engine.settings))
             ids = render_prompt(engine.tokenizer, req)
             engine.validate(ids, to_sampling_params(req))  # context length, vocabulary, KV capacity
             prepared.append(PreparedLine(custom_id, req, ids))

@@ -40,6 +40,7 @@ from pagedq.config.messages import (
 )
 from pagedq.config.names import TERMINAL_STATES, JobState, Names
 from pagedq.config.scheduling import SchedulingMeta
+from pagedq.config.served import canonical_name, default_model
 from pagedq.pipeline.postprocess import batch_output_line
 from pagedq.pipeline.protocol import (
     CHAT_URL,
@@ -286,9 +287,11 @@ class Client:
         """The request, checked against the schema and the served model; raises RequestError."""
         req = parse_request(url, body)
         params = to_sampling_params(req)
-        req.model = req.model or self.settings.model
+        req.model = canonical_name(self.settings, req.model or default_model(self.settings))
         info = self._models.lookup(req.model)  # remembered a second: a batch reads each model about once
-        if info is None and req.model != self.settings.model:
+        if info is not None:
+            req.model = info.name  # an alias (another served name) is the model's own name from here on
+        if info is None and req.model != default_model(self.settings):
             raise RequestError(f"model: unknown model {req.model!r}; served: {self._models.served()}", "model",
                                code="model_not_found")
         if info is not None:
@@ -307,7 +310,8 @@ class Client:
     @_broker_call
     def invalidate_cache(self, model: str | None = None) -> int:
         """Make every cached result of ``model`` unreachable at once; returns the cache's new version."""
-        return self.cache.invalidate(model or self.settings.model)
+        model = canonical_name(self.settings, model or default_model(self.settings))
+        return self.cache.invalidate(getattr(lookup_model(self.r, self.names, model), "name", model))
 
     @_broker_call
     def reload(self, model: str | None = None, timeout: float = 120) -> str:
@@ -315,10 +319,11 @@ class Client:
 
         Their prefix caches are dropped, and the new fingerprint makes earlier cached results unreachable.
         """
-        model = model or self.settings.model
+        model = canonical_name(self.settings, model or default_model(self.settings))
         before = lookup_model(self.r, self.names, model)
         if before is None:
             raise RequestError(f"model: no worker serves {model!r}", "model", code="model_not_found")
+        model = before.name  # an alias names its model
         self.control.publish("reload", model=model)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

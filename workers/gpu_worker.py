@@ -73,11 +73,13 @@ from pagedq.config.names import (
     Names,
     broker_priority,
 )
+from pagedq.config.served import served_names
 from pagedq.fleet.placement import PlacementPolicy
 from pagedq.store import control
 from pagedq.store.connection import broker_url, redis_client, through_outage
 from pagedq.store.dispatch import FairDispatch, Skip
 from pagedq.store.jobs import JobStore
+from pagedq.store.model_names import register_served_names
 from pagedq.store.registry import gpu_workers_serving, register_model
 from pagedq.workers.celery_worker import run_celery_worker, sent_events
 from pagedq.workers.cpu_budget import ThreadBudget
@@ -624,6 +626,7 @@ def run_worker(settings: Settings, model: str | None = None, hostname: str | Non
                             publish_cache=True, step_hold_s=settings.step_hold_ms / 1000)
     engine = service.start()  # built on the thread that will step it (see service.py)
     service.metrics = engine_metrics(settings, engine.model_name, hostname)  # off unless PAGEDQ_METRICS_PORT
+    register_served_names(r, names, engine.model_name, served_names(settings)[1:], str(engine.model_path))
     register_model(r, names, model_info(engine, names))
     app = make_celery(settings, url)
     store = JobStore.from_settings(r, names, settings)
