@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from engine_fixtures import NUM_PROMPTS, fresh_engine, greedy, settings, sharegpt_prompts
+import torch
+from engine_fixtures import NUM_PROMPTS, fresh_engine, greedy, hf_model, settings, sharegpt_prompts
 from engine_fixtures import engine as cached_engine
 
 from pagedq.config import Settings
@@ -134,6 +135,18 @@ def test_structured_outputs_refused_with_pipeline_stages(two_stages):
     with pytest.raises(RequestError, match="pipeline_stages") as e:
         two_stages.add_request("constrained", [1, 2, 3], params)
     assert e.value.param == "response_format" and not two_stages.has_unfinished()
+
+
+def test_prompt_logprobs_with_pipeline_stages(two_stages):
+    """The last stage scores prompt tokens from the plan the driver sends with each micro-batch."""
+    prompts = sharegpt_prompts()[:3]
+    outs = two_stages.generate(prompts, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = hf_model()(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        got = torch.tensor([e["token"][1] for e in out.prompt_logprobs[1:]])
+        assert out.prompt_logprobs[0] is None and (got - want).abs().max().item() < 1e-4
 
 
 def test_abort_while_in_flight_frees_blocks_after_it_returns(two_stages):
