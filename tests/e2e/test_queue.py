@@ -235,7 +235,8 @@ BAD_REQUESTS = [
     ({"prompt": [-1, 5]}, "prompt"),
     ({"prompt": [10**7]}, "prompt"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "echo": True, "stream": True}, "echo"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "timeout_s": -1}, "timeout_s"),
 ]
 

@@ -51,6 +51,10 @@ from pagedq.pipeline.protocol import (
     ({"seed": 2**64}, "seed"),
     ({"priority": 10}, "priority"),
     ({"unknown_field": 1}, "unknown_field"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"echo": True, "stream": True}, "echo"),
+    ({"prompt": ["one", "two"]}, "prompt"),
 ])
 def test_bad_fields_are_refused_naming_the_field(fields, param):
     with pytest.raises(RequestError) as e:
@@ -140,3 +144,18 @@ def test_jsonl_lines_split_on_newlines_only():
     line = json.dumps({"custom_id": "a", "body": {"prompt": "one\u2028two\u0085three"}}, ensure_ascii=False)
     lines = split_lines((line + "\r\n\n" + line + "\n").encode())
     assert lines == [line, line] and json.loads(lines[0])["body"]["prompt"] == "one\u2028two\u0085three"
+
+
+def test_prompt_scoring_fields():
+    """echo / prompt_logprobs / max_tokens 0 map onto the engine's parameters; a list of one prompt is that
+    prompt (lm-eval sends ``[[ids]]``); prompt_logprobs is a completions field only."""
+    ids = [random.randrange(1, 30000) for _ in range(5)]
+    req = parse_request(COMPLETIONS_URL, {"prompt": [ids], "echo": True, "logprobs": 2, "max_tokens": 0})
+    params = to_sampling_params(req)
+    assert req.prompt == ids and (params.max_tokens, params.echo, params.num_prompt_logprobs) == (0, True, 2)
+    params = to_sampling_params(parse_request(COMPLETIONS_URL, {"prompt": ["hi"], "prompt_logprobs": 3,
+                                                                "logprobs": 1}))
+    assert (params.max_tokens, params.echo, params.num_prompt_logprobs) == (256, False, 3)
+    with pytest.raises(RequestError) as e:
+        parse_request(CHAT_URL, {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
+    assert e.value.param == "prompt_logprobs"
