@@ -5,7 +5,8 @@ result cache and placement treat the two names and the two folders as one model.
 
 One module-scoped stack (real redis-server, one CPU worker, the gateway, two GPU worker processes, the packaged
 model's converted folder linked file by file into two temporary folders); prefixes ``srv:`` / ``srv.``.  Only the
-GPU workers are given the names: the CPU worker tokenizes from the folder a GPU worker registered on its host.
+GPU workers are given the names: the CPU worker tokenizes from the folder a GPU worker registered on its host
+(and, the last test, a CPU worker on a host without that folder, from its own PAGEDQ_MODEL copy).
 Outputs are 2-4 tokens; prompts are random token ids (never zeros), so no two runs share a cached answer.
 """
 
@@ -20,11 +21,16 @@ import sys
 import httpx
 import pytest
 from queue_helpers import wait_until
+from transformers import AutoTokenizer
 
 from pagedq.config import DEFAULT_MODEL, Settings
+from pagedq.config.names import Names
+from pagedq.config.served import local_model
+from pagedq.pipeline.cpu_worker import Tokenizers
 from pagedq.pipeline.local.stack import Stack
-from pagedq.store.registry import live_workers, lookup_model
-from pagedq.workers.model.loader import resolve_model
+from pagedq.store.model_names import register_served_names, registered_folder
+from pagedq.store.registry import ModelInfo, live_workers, lookup_model, register_model
+from pagedq.workers.model.loader import ModelNotFoundError, resolve_model
 from pagedq.workers.processes import free_port
 
 NAME, ALIAS = "smollm2", "default-chat"
@@ -144,8 +150,10 @@ def test_the_result_cache_and_placement_treat_the_names_as_one_model(settings, s
     for job in firsts:
         client.result(job, timeout=TIMEOUT)
     holders = [client.status(j).worker for j in firsts]
-    turns = [client.submit(prompt=h + random_prompt(12), max_tokens=2, model=ALIAS, **GREEDY) for h in histories]
-    results = [client.result(j, timeout=TIMEOUT) for j in turns]
+    turns, results = [], []
+    for history in histories:  # one at a time: each placed on idle workers, where only the cache tells them apart
+        turns.append(client.submit(prompt=history + random_prompt(12), max_tokens=2, model=ALIAS, **GREEDY))
+        results.append(client.result(turns[-1], timeout=TIMEOUT))
     assert [client.status(j).worker for j in turns] == holders
     for history, result in zip(histories, results, strict=True):
         assert result["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(history) - 1) // 16 * 16
@@ -153,3 +161,25 @@ def test_the_result_cache_and_placement_treat_the_names_as_one_model(settings, s
     assert int(after.get("by_cache", 0)) > int(before.get("by_cache", 0))  # the fleet's stats are the name's
     assert client.r.smembers(client.names.placement_workers(NAME)) == gpu_hosts(stack)
     assert not client.r.exists(client.names.placement_stats(ALIAS))  # the alias has no fleet state of its own
+
+
+def test_a_cpu_worker_on_a_host_without_the_registered_folder_tokenizes_from_its_own_copy(settings, redis,
+                                                                                             tmp_path):
+    """What run_cpu_worker gives its Tokenizers, on a host where neither registered folder exists: with the served
+    names and PAGEDQ_MODEL set to a copy of its own, either name loads the model's tokenizer from that copy."""
+    converted = resolve_model(DEFAULT_MODEL, settings.state_dir).path
+    names = Names(key_prefix="srv-elsewhere:", queue_prefix="srv-elsewhere.")
+    missing = str(tmp_path / "not-on-this-host")
+    register_served_names(redis, names, NAME, [ALIAS], missing, host="gpu-host")
+    register_model(redis, names, ModelInfo(NAME, "f" * 32, 2048, 49152, names.generate_queue(NAME), missing))
+    here = Settings(model=linked_copy(converted, tmp_path / "elsewhere"), served_model_name=[NAME, ALIAS])
+    tokenizers = Tokenizers(here.state_dir, lambda model: registered_folder(redis, names, model, host="cpu-host")
+                            or local_model(here, model))
+    text = f"Served names {random.random()}"
+    expected = AutoTokenizer.from_pretrained(converted)(text)["input_ids"]
+    assert tokenizers.get(ALIAS)(text)["input_ids"] == expected == tokenizers.get(NAME)(text)["input_ids"]
+    # without the names, a name is no folder: a clear error naming it
+    bare = Tokenizers(here.state_dir, lambda model: registered_folder(redis, names, model, host="cpu-host")
+                      or local_model(Settings(), model))
+    with pytest.raises(ModelNotFoundError, match=f"unknown model '{ALIAS}'"):
+        bare.get(ALIAS)
