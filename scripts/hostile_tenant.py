@@ -30,6 +30,7 @@ import json
 import os
 import random
 import secrets
+import signal
 import sys
 import tempfile
 import threading
@@ -301,6 +302,7 @@ def main() -> None:
     ap.add_argument("scenarios", nargs="*", help=f"some of: {', '.join(SCENARIOS)} (default: all)")
     ap.add_argument("--seconds", type=float, default=60, help="how long each scenario (and B alone) runs")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops the stack it started
     names = args.scenarios or list(SCENARIOS)
     if unknown := [n for n in names if n not in SCENARIOS]:
         ap.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
