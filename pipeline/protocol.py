@@ -151,7 +151,7 @@ def _check_constraint(constraint: list[str], info: ValidationInfo) -> None:
 def _check_regexes(constraint: list[str]) -> None:
     """Refuse a regex constraint, or a JSON schema ``pattern``, whose unrolled size is over MAX_REGEX_EXPANSION
     (before anything compiles it: at the edge, and on the GPU worker)."""
-    kind, text = constraint
+    kind, text = constraint[:2]
     if kind == "regex":
         patterns = [text]
     elif kind == "json_schema":

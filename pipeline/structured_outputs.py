@@ -10,6 +10,12 @@ Two spellings, one meaning:
   older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
   ``guided_grammar`` fields as aliases (``GUIDED_ALIASES``).
 
+JSON (schemas, ``json_object``, and the required / named tool choices) is
+compact by default: no whitespace between tokens, ``,`` and ``:`` as
+separators, so a small model spends no token on layout nor loops on it.
+``structured_outputs.whitespace`` asks for ``"spaced"`` (``", "`` and
+``": "``) or ``"any"`` (xgrammar's free whitespace) instead.
+
 ``constraint_of`` turns either into the ``[kind, text]`` pair the engine
 takes (``pagedq.config.constraints``).  ``compile_error`` compiles it with
 xgrammar's tokenizer-free ``Grammar`` (imported on first use, results cached),
@@ -70,13 +76,16 @@ class StructuredOutputsSpec(TypedDict, total=False):
     regex: str | None
     choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None
     grammar: str | None
+    whitespace: Literal["compact", "spaced", "any"] | None  # pagedq's: how json / json_object lay JSON out
 
 
 def _exactly_one(spec: StructuredOutputsSpec) -> StructuredOutputsSpec:
-    given = [k for k, v in spec.items() if v not in (None, False)]
+    given = [k for k, v in spec.items() if v not in (None, False) and k != "whitespace"]
     if len(given) != 1:
         raise ValueError("give exactly one of json, json_object, regex, choice, grammar"
                          + (f" (got {', '.join(given)})" if given else ""))
+    if spec.get("whitespace") is not None and given[0] not in ("json", "json_object"):
+        raise ValueError("whitespace: only with json or json_object")
     return spec
 
 
@@ -107,11 +116,12 @@ def constraint_of(fmt: ResponseFormat | None, so: StructuredOutputsSpec | None) 
         return ["json_object", ""] if schema is None else ["json_schema", canonical_json(schema)]
     if not so:
         return None
+    layout = [so["whitespace"]] if so.get("whitespace") not in (None, "compact") else []
     if so.get("json") is not None:
         schema = so["json"]
-        return ["json_schema", canonical_json(json.loads(schema) if isinstance(schema, str) else schema)]
+        return ["json_schema", canonical_json(json.loads(schema) if isinstance(schema, str) else schema), *layout]
     if so.get("json_object"):
-        return ["json_object", ""]
+        return ["json_object", "", *layout]
     if so.get("regex") is not None:
         return ["regex", so["regex"]]
     if so.get("choice") is not None:
@@ -127,7 +137,7 @@ def check_constraint(constraint: list[str]) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def compile_error(kind: str, text: str) -> str | None:
+def compile_error(kind: str, text: str, *layout: str) -> str | None:
     """Why ``[kind, text]`` would not compile (limits first, then xgrammar itself), or None."""
     if len(text) > MAX_SPEC_CHARS:
         return f"the {kind} is {len(text)} characters; at most {MAX_SPEC_CHARS}"
@@ -139,10 +149,11 @@ def compile_error(kind: str, text: str) -> str | None:
         return "choice: the choices must be non-empty strings"
     import xgrammar as xgr  # here: torch and xgrammar load in the processes that see a constrained request
 
-    src = grammar_source((kind, text))
+    src = grammar_source((kind, text, *layout))
     try:
         if src.method == "json_schema":
-            xgr.Grammar.from_json_schema(src.text, any_whitespace=False, strict_mode=src.strict)
+            xgr.Grammar.from_json_schema(src.text, any_whitespace=src.any_whitespace, separators=src.separators,
+                                         strict_mode=src.strict)
         elif src.method == "regex":
             xgr.Grammar.from_regex(src.text)
         else:

@@ -46,7 +46,8 @@ class GrammarBackend:
         """The ``CompiledGrammar`` of a constraint (raises ValueError / RuntimeError when it does not compile)."""
         src = grammar_source(constraint)
         if src.method == "json_schema":
-            return self.compiler.compile_json_schema(src.text, any_whitespace=False, strict_mode=src.strict)
+            return self.compiler.compile_json_schema(src.text, any_whitespace=src.any_whitespace,
+                                                     separators=src.separators, strict_mode=src.strict)
         if src.method == "regex":
             return self.compiler.compile_regex(src.text)
         return self.compiler.compile_grammar(src.text)
