@@ -141,6 +141,11 @@ def test_the_result_cache_and_placement_treat_the_names_as_one_model(settings, s
     cached = client.result(again, timeout=TIMEOUT)
     assert client.status(again).cached == 1 and cached["cached"] is True
     assert cached["choices"][0]["text"] == answer["choices"][0]["text"] and cached["model"] == NAME
+    # invalidating by the alias is invalidating the model (`pagedq cache invalidate --model default-chat`)
+    assert client.invalidate_cache(ALIAS) == client.cache.version(NAME) == int(version) + 1
+    recomputed = client.submit(prompt=prompt, max_tokens=3, temperature=0, model=NAME)
+    assert client.result(recomputed, timeout=TIMEOUT)["choices"][0]["text"] == answer["choices"][0]["text"]
+    assert client.status(recomputed).cached == 0
 
     # placement: a conversation's next turn, asked by the alias, runs on the worker holding its history under
     # the name (the prompt's block names are the same whichever name and folder)
