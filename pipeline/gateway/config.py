@@ -70,7 +70,7 @@ class GatewayKeys:
         return f"{self._base}files:{tenant}"
 
     def file_staging(self, file_id: str) -> str:
-        """String (bytes, short TTL): a batch output file being written chunk by chunk; renamed to its
+        """String (bytes, short TTL): a batch output file or an upload being written chunk by chunk; renamed to its
         content key once whole."""
         return f"{self._base}file:{file_id}:staging"
 

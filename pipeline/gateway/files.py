@@ -39,6 +39,7 @@ RESERVATION_S = 600  # a claim not yet followed by its file lapses after this lo
 MAX_OUTPUT_FILE_BYTES = 512 << 20  # Redis's largest string (OpenAI's largest file is 512 MB too)
 STORE_CAP_CACHE_S = 30.0  # how long Redis's maxmemory is believed without asking again
 READ_CHUNK = 4 << 20  # file content is read back this much at a time
+WRITE_CHUNK = 4 << 20  # an upload is written into Redis this much at a time
 
 # Shared by the scripts below.  KEYS[1..3]: ledger, expiry, usage.  drop(id) forgets a ledger entry.
 _LEDGER = """
@@ -170,10 +171,26 @@ class FileStore:
         if refusal is not None:
             raise refusal.error
         try:
-            return self.commit(tenant, file_id, filename, purpose, len(content), content=content)
+            if len(content) <= WRITE_CHUNK:
+                return self.commit(tenant, file_id, filename, purpose, len(content), content=content)
+            staging = self._write_in_chunks(file_id, content)
+            return self.commit(tenant, file_id, filename, purpose, len(content), staging=staging)
         except BaseException:
             self.release(file_id)
             raise
+
+    def _write_in_chunks(self, file_id: str, content: bytes) -> str:
+        """``content`` appended to the file's staging key WRITE_CHUNK at a time: one 64 MiB SET would hold
+        Redis (and every tenant's requests) for its whole copy."""
+        staging = self.keys.file_staging(file_id)
+        self.raw.delete(staging)
+        view = memoryview(content)
+        for start in range(0, len(content), WRITE_CHUNK):
+            pipe = self.raw.pipeline(transaction=False)
+            pipe.append(staging, view[start:start + WRITE_CHUNK].tobytes())
+            pipe.expire(staging, RESERVATION_S)
+            pipe.execute()
+        return staging
 
     def commit(self, tenant: Tenant, file_id: str, filename: str, purpose: str, nbytes: int,
                content: bytes | None = None, staging: str | None = None, ttl_s: int | None = None) -> dict:

@@ -99,3 +99,29 @@ def test_a_control_message_replayed_to_a_worker_started_since_is_ignored(redis, 
     with pytest.raises(ValueError, match="replayed"):
         control.ControlReceiver(redis, names, key, f"gpu-new-{secrets.token_hex(2)}").accept(raw)
     assert 0 < redis.ttl(first) <= control.SEEN_TTL_S
+
+
+def test_a_large_upload_is_written_into_redis_in_chunks_whole(redis_url):
+    """Over WRITE_CHUNK, a file goes through its staging key chunk by chunk (no single SET holds Redis for a
+    whole 64 MiB copy) and reads back byte for byte, counted once in the tenant's room; the staging key is gone."""
+    from pagedq.pipeline.gateway.files import WRITE_CHUNK
+    from pagedq.pipeline.gateway.keys import Tenant
+    from pagedq.pipeline.gateway.state import Gateway
+
+    settings = Settings(broker_url=redis_url, key_prefix=f"pth{secrets.token_hex(3)}:", queue_prefix="pth.")
+    gw = Gateway(settings, redis_url, GatewayConfig())
+    try:
+        tenant = Tenant(f"t{secrets.token_hex(2)}")
+        content = random.randbytes(2 * WRITE_CHUNK + random.randrange(1, WRITE_CHUNK))
+
+        def appends() -> int:
+            return int(gw.r.info("commandstats").get("cmdstat_append", {}).get("calls", 0))
+        before = appends()
+        made = gw.files.create(tenant, "in.jsonl", "batch", content)
+        assert appends() - before >= 3, "written in three chunks"
+        size, chunks = gw.files.content_chunks(made["id"], tenant)
+        assert size == made["bytes"] == len(content) and b"".join(chunks) == content
+        assert gw.files.usage(tenant) == (len(content), 1)
+        assert not gw.raw.exists(gw.keys.file_staging(made["id"]))
+    finally:
+        gw.close()
