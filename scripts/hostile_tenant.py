@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import queue
 import random
 import secrets
 import signal
@@ -100,43 +102,69 @@ class Outcomes:
         return ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items()))
 
 
-class Victim(threading.Thread):
-    """Tenant B: a streamed 24-token greedy chat every 2 s; TTFT of each, its prompts kept (for ``replay``)."""
+class Victim:
+    """Tenant B, in a process of its own (A's client threads never share its interpreter): a streamed 24-token
+    greedy chat every 2 s; the TTFT of each, and its prompts (for ``replay``)."""
 
     def __init__(self, base: str, key: str) -> None:
-        super().__init__(daemon=True, name="victim")
-        self.base, self.key = base, key
+        ctx = multiprocessing.get_context("spawn")  # not a fork of a process with threads
+        self.results = ctx.Queue()
+        self.halt = ctx.Event()
+        self.proc = ctx.Process(target=_victim, args=(base, key, self.results, self.halt), daemon=True)
         self.ttfts: list[tuple[float, float]] = []  # (started at, seconds to the first token)
-        self.prompts: list[str] = []
+        self._prompts: list[str] = []
         self.failures = 0
-        self.halt = threading.Event()
 
-    def run(self) -> None:
-        with ThreadPoolExecutor(8) as pool:
-            while not self.halt.wait(VICTIM_EVERY_S):
-                pool.submit(self.one)
+    def start(self) -> None:
+        self.proc.start()
 
-    def one(self) -> None:
+    def stop(self) -> None:
+        self.halt.set()
+        self.proc.join(30)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                start, took, prompt = self.results.get_nowait()
+            except queue.Empty:
+                return
+            if took is None:
+                self.failures += 1
+            else:
+                self.ttfts.append((start, took))
+                self._prompts.append(prompt)
+
+    @property
+    def prompts(self) -> list[str]:
+        self._drain()
+        return list(self._prompts)
+
+    def p90_since(self, t0: float, t1: float) -> tuple[float, int]:
+        self._drain()
+        took = [d for s, d in self.ttfts if t0 <= s <= t1]
+        return pct(took, 0.9), len(took)
+
+
+def _victim(base: str, key: str, results, halt) -> None:
+    def one() -> None:
         prompt = victim_prompt()
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": VICTIM_TOKENS, "temperature": 0,
                 "stream": True}
-        start = time.monotonic()
+        start = time.monotonic()  # the system's monotonic clock: the same in both processes
         try:
-            with httpx.stream("POST", self.base + CHAT, json=body, timeout=600,
-                              headers={"Authorization": f"Bearer {self.key}"}) as reply:
+            with httpx.stream("POST", base + CHAT, json=body, timeout=600,
+                              headers={"Authorization": f"Bearer {key}"}) as reply:
                 for line in reply.iter_lines():
                     if line.startswith("data: ") and '"content"' in line:
-                        self.ttfts.append((start, time.monotonic() - start))
-                        self.prompts.append(prompt)
+                        results.put((start, time.monotonic() - start, prompt))
                         break
                 for _ in reply.iter_lines():
                     pass
         except httpx.HTTPError:
-            self.failures += 1
-
-    def p90_since(self, t0: float, t1: float) -> tuple[float, int]:
-        took = [d for s, d in self.ttfts if t0 <= s <= t1]
-        return pct(took, 0.9), len(took)
+            results.put((start, None, prompt))
+    with ThreadPoolExecutor(8) as pool:
+        while not halt.wait(VICTIM_EVERY_S):
+            pool.submit(one)
 
 
 class MemoryPeak(threading.Thread):
@@ -264,7 +292,7 @@ def replay(a: Attack) -> None:
         own = a.post(CHAT, json={"messages": [{"role": "user", "content": victim_prompt()}], "max_tokens": 1,
                                  "temperature": 0})
         template = own.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) if own else 0
-    for prompt in list(a.victim.prompts):
+    for prompt in a.victim.prompts:
         reply = a.post(CHAT, json={"messages": [{"role": "user", "content": prompt}], "max_tokens": VICTIM_TOKENS,
                                    "temperature": 0})
         if reply is not None and reply.status_code == 200:
@@ -341,7 +369,7 @@ def main() -> None:
                           flush=True)
                     time.sleep(5)  # let what A left running drain a little before the next scenario
             finally:
-                victim.halt.set()
+                victim.stop()
                 stop(gateway, 30)
     bound = f"{maxmemory / 2**20:.0f} MiB" if maxmemory else "none set"
     print(f"\nB alone: TTFT p90 {alone * 1e3:.0f} ms; Redis maxmemory: {bound}; B failures: {victim.failures}")
