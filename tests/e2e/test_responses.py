@@ -39,7 +39,7 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def settings(redis_url) -> Settings:
     return Settings(broker_url=redis_url, key_prefix="prsp:", queue_prefix="prsp.", result_cache=False,
-                    max_num_seqs=4, worker_max_inflight=64, kv_cache_memory="256MiB", progress_interval_s=0.5,
+                    max_num_seqs=4, kv_cache_memory="256MiB", progress_interval_s=0.5,
                     worker_ttl_s=10)
 
 
