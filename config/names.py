@@ -19,7 +19,7 @@ from pagedq.config.settings import Settings
 PREPROCESS_TASK = "pagedq.preprocess"
 GENERATE_TASK = "pagedq.generate"
 POSTPROCESS_TASK = "pagedq.postprocess"
-# With fair dispatch (PAGEDQ_FAIR_SHARE): a generate *token*, "a job of model M", bound to a job when it runs.
+# A generate *token*, "a job of model M", bound to the next job of its model's fair queue when it runs.
 DISPATCH_TASK = "pagedq.dispatch"
 
 PRIORITY_STEPS = list(range(10))
@@ -330,7 +330,7 @@ class Names:
 
     def kv_blocks(self, model: str, hostname: str) -> str:
         """Set with the worker's TTL: the hex names (``workers/engine/block_hash``) of the blocks in a GPU worker's
-        prefix cache, kept in step by the worker each engine step (with ``PAGEDQ_PLACEMENT``)."""
+        prefix cache, kept in step by the worker each engine step (for placement)."""
         return f"{self.key_prefix}kv:{model_slug(model)}:{hostname}"
 
     def kv_blocks_staging(self, model: str, hostname: str) -> str:
@@ -338,7 +338,7 @@ class Names:
         return f"{self.key_prefix}kv-staging:{model_slug(model)}:{hostname}"
 
     def placement_workers(self, model: str) -> str:
-        """Set: hostnames of the GPU workers that said they serve the model with ``PAGEDQ_PLACEMENT`` (a claim
+        """Set: hostnames of the GPU workers that said they serve the model, for placement (a claim
         drops one whose record is gone; liveness is the record's ``beat_at``)."""
         return f"{self.key_prefix}placement:{model_slug(model)}:workers"
 
