@@ -486,11 +486,14 @@ def check_scoring(req: AnyRequest) -> None:
 
 
 def check_output_budget(req: AnyRequest) -> None:
-    """Refuse a request whose answer could hold more than MAX_OUTPUT_BUDGET tokens and logprob entries."""
+    """Refuse a request whose answer could hold more than MAX_OUTPUT_BUDGET tokens and logprob entries.
+
+    One plain sequence (n 1, no logprobs) is bounded by the model's context instead, so a too-large max_tokens
+    there is the model check's ``context_length_exceeded``, as OpenAI answers it."""
     max_tokens = max_tokens_of(req)
     per_token = 1 + (req.num_logprobs or 0)
     cost = req.n * max_tokens * per_token
-    if cost > MAX_OUTPUT_BUDGET:
+    if cost > MAX_OUTPUT_BUDGET and req.n * per_token > 1:
         raise RequestError(f"max_tokens: n x max_tokens x (1 + top logprobs) = {req.n} x {max_tokens} x "
                            f"{per_token} = {cost:,} is over the budget of {MAX_OUTPUT_BUDGET:,} per request; ask "
                            "for fewer tokens, choices or logprobs", "max_tokens")

@@ -68,12 +68,13 @@ class Probe(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.run_worker = lambda *a: print("imported with", seen, "torch loaded:", "torch" in sys.modules) or 0
 
 sys.meta_path.insert(0, Probe())
-cli.main(["worker", "--model", "x"])
+sys.exit(cli.main(["worker", "--model", "x"]))
 """
 
 
-def test_the_worker_command_sets_it_before_the_worker_module_loads():
+def test_the_worker_command_sets_it_before_the_worker_module_loads(redis_url):
     """``pagedq worker``'s own path, with the setting from the environment: GOMP_SPINCOUNT is set by the time
-    the worker module (which imports torch) is imported."""
+    the worker module (which imports torch) is imported.  The command checks its broker first (a real one)."""
     count = random.randint(1_000, 400_000)
-    assert run_fresh(WORKER_COMMAND, PAGEDQ_OMP_SPIN_COUNT=str(count)) == f"imported with {count} torch loaded: False"
+    out = run_fresh(WORKER_COMMAND, PAGEDQ_OMP_SPIN_COUNT=str(count), PAGEDQ_BROKER_URL=redis_url)
+    assert out == f"imported with {count} torch loaded: False"

@@ -75,6 +75,8 @@ def test_n_times_max_tokens_times_logprobs_within_the_budget():
     with pytest.raises(RequestError) as e:
         parse_batch_line(line)
     assert e.value.param == "max_tokens" and e.value.custom_id == "a"
+    # one plain sequence is bounded by the model's context (its context_length_exceeded), not by the budget
+    assert parse_request(CHAT_URL, chat(max_tokens=MAX_OUTPUT_BUDGET + random.randint(1, 10**6))).n == 1
 
 
 def test_cache_salt_scopes_never_meet():
