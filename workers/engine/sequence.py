@@ -52,6 +52,7 @@ class Sequence:
         # None when the request does not score its prompt (``params.num_prompt_logprobs``).
         self.prompt_logprobs: list[dict | None] | None = None if params.num_prompt_logprobs is None else [None]
         self.grammar = grammar  # set when params.constraint is: the sampler masks what it does not allow
+        self.logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the sampler's, built once
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

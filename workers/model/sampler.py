@@ -44,11 +44,16 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tens
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Add each row's ``logit_bias`` to its tokens' logits (ids were checked against the vocabulary)."""
+    """Add each row's ``logit_bias`` to its tokens' logits (ids were checked against the vocabulary).
+
+    The (ids, values) tensors are built once per sequence, at its first sampled token, and kept on it."""
     for i, s in enumerate(seqs):
         if s.params.logit_bias:
-            ids = torch.tensor(list(s.params.logit_bias), dtype=torch.long, device=logits.device)
-            bias = torch.tensor(list(s.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            if s.logit_bias_tensors is None or s.logit_bias_tensors[1].dtype != logits.dtype:
+                s.logit_bias_tensors = (
+                    torch.tensor(list(s.params.logit_bias), dtype=torch.long, device=logits.device),
+                    torch.tensor(list(s.params.logit_bias.values()), dtype=logits.dtype, device=logits.device))
+            ids, bias = s.logit_bias_tensors
             logits[i].index_add_(0, ids, bias)
 
 
