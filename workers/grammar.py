@@ -7,6 +7,10 @@
   ``add_request``), never on the engine's stepping thread, so a slow schema
   does not stall the batch.  Compiled grammars are cached (LRU, bounded in
   bytes) by the exact constraint text, which the request schema canonicalises.
+  A compile runs on a daemon thread of its own, at most two at once, and is
+  given ``compile_timeout_s`` (10 s, waiting for a slot included): past it the
+  request fails (a RequestError naming ``response_format``); the compile itself
+  cannot be stopped, finishes in the background and never holds up an exit.
 - ``GrammarState`` (one per ``Sequence``) wraps a ``GrammarMatcher``.  It is
   used by the stepping thread only (the sampler calls ``fill``).
 
@@ -19,6 +23,10 @@ changes the tokens, or if a later feature removes some, the rollback covers it.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
 import torch
 
 from pagedq.config.constraints import grammar_source
@@ -28,9 +36,12 @@ class GrammarError(RuntimeError):
     """A sampled token the grammar does not allow (cannot happen once its mask applied): fails the request."""
 
 
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
+
 class GrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_threads: int = 1,
-                 cache_limit_bytes: int = 64 << 20) -> None:
+                 cache_limit_bytes: int = 64 << 20, compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S) -> None:
         """``vocab_size`` is the logits' width (the model's lm_head rows, which can exceed ``len(tokenizer)``);
         ``stop_token_ids`` are every id the engine stops on, the only ones allowed once the grammar is complete."""
         import xgrammar as xgr
@@ -41,9 +52,32 @@ class GrammarBackend:
                                                   stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True,
                                             cache_limit_bytes=cache_limit_bytes)
+        self.compile_timeout_s = compile_timeout_s
+        self._slots = threading.BoundedSemaphore(2)
 
     def compile(self, constraint: list[str]):
-        """The ``CompiledGrammar`` of a constraint (raises ValueError / RuntimeError when it does not compile)."""
+        """The ``CompiledGrammar`` of a constraint (raises ValueError / RuntimeError when it does not compile,
+        TimeoutError when it takes longer than ``compile_timeout_s``)."""
+        late = TimeoutError(f"not compiled within {self.compile_timeout_s:g} s")
+        if not self._slots.acquire(timeout=self.compile_timeout_s):
+            raise late
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(self._compile(constraint))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                done.set_exception(e)
+            finally:
+                self._slots.release()
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        try:
+            return done.result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            raise late from None
+
+    def _compile(self, constraint: list[str]):
         src = grammar_source(constraint)
         if src.method == "json_schema":
             return self.compiler.compile_json_schema(src.text, any_whitespace=src.any_whitespace,

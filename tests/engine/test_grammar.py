@@ -9,6 +9,7 @@ well within max_tokens.
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -153,3 +154,27 @@ def test_a_greedy_row_whose_best_token_is_allowed_is_left_unmasked():
     assert torch.equal(masked[0], logits[0])  # its argmax is allowed: the masked argmax is the same token
     assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [other[1]]
     assert masked.argmax(dim=-1).tolist() == [best[0], other[1]]
+
+
+def test_a_grammar_not_compiled_in_time_fails_its_request_and_the_next_compiles():
+    """The compile timeout: a fresh schema given no time is refused naming response_format (a TimeoutError from
+    the backend); the backend stays usable, and the same schema compiles within the default timeout."""
+    from pagedq.workers.grammar import GrammarBackend
+
+    llm = engine()
+    props = {f"field_{random.randrange(1 << 40):x}": {"type": "string", "maxLength": 40} for _ in range(40)}
+    schema = canonical_json({"type": "object", "properties": props, "required": sorted(props)})
+    hurried = GrammarBackend(llm.tokenizer, llm.cfg.vocab_size, llm.engine.config.eos_token_ids,
+                             compile_timeout_s=1e-6)
+    with pytest.raises(TimeoutError, match="not compiled within"):
+        hurried.new_state(["json_schema", schema])
+    hurried.compile_timeout_s = 60.0
+    assert hurried.new_state(["json_schema", schema]).accepted == []
+    hurried.compile_timeout_s = 1e-6
+    llm.engine.new_grammar = hurried.new_state
+    try:
+        with pytest.raises(RequestError, match="not compiled within") as e:
+            llm.add_request("late", [1, 2, 3], constrained("json_schema", schema.replace("field_", "other_")))
+    finally:
+        llm.engine.new_grammar = llm.new_grammar
+    assert e.value.param == "response_format" and not llm.has_unfinished()
