@@ -474,7 +474,9 @@ class EngineService:
                     self._abort(handle, others_only=True)  # its other choices have no use now
                 done.append(handle)
         self.metrics.step(self.engine, outputs)
-        self._publish_stats(pipe=pipe)
+        # their seats are released just below, once the pipe (their last deltas) is in Redis: placement must
+        # see them free now, or a worker that just finished looks full until its next idle publish
+        self._publish_stats(pipe=pipe, freeing=sum(h.seats for h in {id(h): h for h in done}.values() if h.complete))
         try:
             pipe.execute()
         except redis.RedisError as e:
@@ -546,7 +548,9 @@ class EngineService:
                       maxlen=self.names.stream_maxlen, approximate=True)
             pipe.expire(key, self.result_ttl_s)
 
-    def _publish_stats(self, pipe=None) -> None:
+    def _publish_stats(self, pipe=None, freeing: int = 0) -> None:
+        """The worker's record (and, with placement, its load and prefix cache); ``freeing``: seats of jobs
+        that finished this step, released after the publish."""
         self._last_publish = time.monotonic()
         e = self.engine
         stats = {"steps": e.stats.steps, "free_blocks": e.block_manager.num_free_blocks,
@@ -561,7 +565,7 @@ class EngineService:
         target.hset(key, mapping=stats)
         target.expire(key, self.worker_ttl_s)
         if self.publish_cache:
-            target.hset(key, mapping=self._placement_fields())
+            target.hset(key, mapping=self._placement_fields(freeing))
             target.sadd(self.names.placement_workers(e.model_name), self.hostname)
             self._publish_cache(target)
         if pipe is None:
@@ -571,13 +575,13 @@ class EngineService:
                 self.publish_failed()
                 log.warning("could not publish worker stats: %s", err)
 
-    def _placement_fields(self) -> dict:
+    def _placement_fields(self, freeing: int = 0) -> dict:
         """What placement weighs besides the cache (``fleet.placement``): free seats and the load in tokens; the
         tokens claims added since the last publish (``claimed_tokens``) are in the load now, or soon."""
         held = [(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0),
                  max(seq.params.max_output_tokens - seq.num_output_tokens, 0))
                 for seq in list(self.engine.engine.requests.values())]
-        free = 0 if self.draining else self.free_seats()  # a draining worker is never preferred
+        free = 0 if self.draining else self.free_seats() + freeing  # a draining worker is never preferred
         return {"free_seats": free, "load_tokens": load_tokens(held), "claimed_tokens": 0}
 
     def _publish_cache(self, pipe) -> None:

@@ -79,6 +79,18 @@ def test_a_conversations_next_turn_runs_where_its_history_is_cached(settings, st
     assert "PLACEMENT" in render(snap)
 
 
+def test_a_worker_that_finished_its_jobs_shows_its_seats_free_when_their_results_arrive(settings, stack, client):
+    """The step that finishes a job publishes its seat as free (it is released just after): placement never
+    sees a worker that just finished as full until its next idle publish, seconds later."""
+    jobs = [client.submit(prompt=history(), max_tokens=random.randint(2, 6), **GREEDY) for _ in range(2)]
+    for job in jobs:
+        client.result(job, timeout=TIMEOUT)
+    for host in {client.status(j).worker for j in jobs}:
+        record = client.r.hgetall(client.names.worker(host))
+        assert int(record["free_seats"]) == settings.max_num_seqs, record
+        assert float(record["load_tokens"]) == 0, record
+
+
 def test_a_session_stays_on_its_worker_when_its_prompt_changes(settings, stack, client):
     """``prompt_cache_key`` names a session: a next turn no worker holds any of (a new, summarised history) runs
     where the session's last turn ran."""

@@ -159,7 +159,8 @@ def test_the_result_cache_and_placement_treat_the_names_as_one_model(settings, s
     for history in histories:  # one at a time: each placed on idle workers, where only the cache tells them apart
         turns.append(client.submit(prompt=history + random_prompt(12), max_tokens=2, model=ALIAS, **GREEDY))
         results.append(client.result(turns[-1], timeout=TIMEOUT))
-    assert [client.status(j).worker for j in turns] == holders
+    placed = client.r.hgetall(client.names.placement_stats(NAME))
+    assert [client.status(j).worker for j in turns] == holders, f"placement decisions {before} -> {placed}"
     for history, result in zip(histories, results, strict=True):
         assert result["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(history) - 1) // 16 * 16
     after = client.r.hgetall(client.names.placement_stats(NAME))
