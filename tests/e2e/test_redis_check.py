@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -25,12 +26,28 @@ from pagedq.store.redis_check import MIN_VERSION, RedisUnsuitable, ServerFacts, 
 from pagedq.workers.processes import free_port, spawn, stop
 
 
+def cluster_port() -> int:
+    """A free port a cluster-mode redis-server can take: at most 55535 (its cluster bus listens 10,000 higher,
+    and must be free too); ``free_port`` alone may give one above."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
 @contextmanager
-def redis_with(tmp_path: Path, *directives: str) -> Iterator[str]:
-    """A password-protected redis-server with these extra redis.conf lines; yields its URL."""
+def redis_with(tmp_path: Path, *directives: str, port: int | None = None) -> Iterator[str]:
+    """A password-protected redis-server with these extra redis.conf lines (on ``port``, default any free one);
+    yields its URL."""
     data = tmp_path / f"redis-{secrets.token_hex(4)}"
     data.mkdir()
-    password, port = secrets.token_hex(16), free_port()
+    password, port = secrets.token_hex(16), port or free_port()
     conf = data / "redis.conf"
     conf.write_text("\n".join([f"port {port}", "bind 127.0.0.1", f"dir {data}", f"requirepass {password}",
                                'save ""', *directives]) + "\n")
@@ -91,7 +108,7 @@ def test_a_volatile_policy_is_refused_too(tmp_path):
 
 def test_a_cluster_mode_server_is_refused_with_one_line(tmp_path):
     with redis_with(tmp_path, "cluster-enabled yes", "cluster-config-file nodes.conf",
-                    "maxmemory-policy noeviction") as url:
+                    "maxmemory-policy noeviction", port=cluster_port()) as url:
         line = one_error_line(pagedq_exits(url, tmp_path / "state", "worker"))
         assert "Redis Cluster is not supported" in line and "cluster_enabled:1" in line and "Sentinel" in line
 
