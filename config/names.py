@@ -186,6 +186,18 @@ class Names:
         """Sorted set: response id -> when its ledger entry lapses (its hash's expiry)."""
         return f"{self.key_prefix}gw:responses:expiry"
 
+    @property
+    def results_ledger(self) -> str:
+        """Hash: "<when> <tenant>" -> "<bytes> <tenant>": the completion results a gateway answered, summed per
+        tenant and the few seconds in which they expire (counted in the tenant's ``max_stored_bytes`` until
+        then), ``pipeline/gateway/ledger.py``."""
+        return f"{self.key_prefix}gw:results:ledger"
+
+    @property
+    def results_expiry(self) -> str:
+        """Sorted set: results-ledger entry -> when it lapses (its results' expiry)."""
+        return f"{self.key_prefix}gw:results:expiry"
+
     def batch(self, batch_id: str) -> str:
         """Hash: counts and timestamps of a batch."""
         return f"{self.key_prefix}batch:{batch_id}"

@@ -15,6 +15,12 @@ requests with 4.
 
     python scripts/bench_placement.py                         # 32 conversations x 4 turns, 1/2/4 workers
     python scripts/bench_placement.py --conversations 8 --workers 1 2   # a quick look
+    python scripts/bench_placement.py --workers 1 --tenant-scope       # one tenant's private cache vs none
+
+``--tenant-scope`` runs each worker count twice: with no cache scope (as ``Client`` jobs run, and every job did
+before caches were private), then with every request in one tenant's scope (the ``cache_salt`` the gateway gives
+each request of a tenant, ``scoped_cache_salt``), and prints the second's hit ratio against the first's (issue
+48: within 2%).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from sharegpt import iter_conversations
 from pagedq.config import Settings
 from pagedq.pipeline import Client
 from pagedq.pipeline.local.stack import Stack
+from pagedq.pipeline.protocol import scoped_cache_salt
 from pagedq.store.dispatch import FairDispatch
 
 
@@ -88,9 +95,11 @@ def conversations(tokenizer, n: int, min_turns: int, turn_tokens: int, seed: int
     return cut
 
 
-def stream_turn(client: Client, messages: list[dict], max_tokens: int, conversation: int) -> tuple[Turn, str]:
+def stream_turn(client: Client, messages: list[dict], max_tokens: int, conversation: int,
+                salt: str | None = None) -> tuple[Turn, str]:
     sent = time.perf_counter()
-    job = client.submit(messages=messages, max_tokens=max_tokens, temperature=0)
+    job = client.submit(messages=messages, max_tokens=max_tokens, temperature=0,
+                        **({"cache_salt": salt} if salt else {}))
     turn = Turn(conversation, job)
     text = []
     for delta in client.stream(job, timeout=3600):
@@ -106,7 +115,7 @@ def stream_turn(client: Client, messages: list[dict], max_tokens: int, conversat
     return turn, result["choices"][0]["message"]["content"]
 
 
-def replay(client: Client, convs: list[list[str]], max_tokens: int) -> list[Turn]:
+def replay(client: Client, convs: list[list[str]], max_tokens: int, salt: str | None = None) -> list[Turn]:
     turns: list[Turn] = []
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -116,7 +125,7 @@ def replay(client: Client, convs: list[list[str]], max_tokens: int) -> list[Turn
         try:
             for human in humans:
                 messages.append({"role": "user", "content": human})
-                turn, reply = stream_turn(client, messages, max_tokens, i)
+                turn, reply = stream_turn(client, messages, max_tokens, i, salt)
                 messages.append({"role": "assistant", "content": reply})
                 with lock:
                     turns.append(turn)
@@ -133,8 +142,8 @@ def replay(client: Client, convs: list[list[str]], max_tokens: int) -> list[Turn
     return turns
 
 
-def run_once(args, workers: int, work) -> Run:
-    label = f"{workers} worker{'s' if workers > 1 else ''}"
+def run_once(args, workers: int, work, suffix: str = "") -> Run:
+    label = f"{workers} worker{'s' if workers > 1 else ''}{suffix}"
     with tempfile.TemporaryDirectory(prefix="pagedq-bench-placement-") as scratch:
         settings = Settings()
         if not settings.broker_url:
@@ -197,6 +206,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per GPU worker")
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per worker (0: from kv_cache_memory)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tenant-scope", action="store_true",
+                    help="also run each worker count with every request in one tenant's cache scope")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -208,13 +219,21 @@ def main() -> None:
     runs: dict[int, Run] = {}
     convs = conversations(tokenizer, args.conversations, args.min_turns, args.turn_tokens, args.seed)
     print(f"{len(convs)} conversations x {args.min_turns} turns, max_tokens {args.max_tokens}")
+    scoped: dict[int, Run] = {}
+    salt = scoped_cache_salt("tenant-a", None)  # what the gateway gives each request of tenant-a
     for n in args.workers:
         runs[n] = run_once(args, n, lambda c: replay(c, convs, args.max_tokens))
+        if args.tenant_scope:
+            scoped[n] = run_once(args, n, lambda c: replay(c, convs, args.max_tokens, salt), ", one tenant's scope")
     verdicts(runs)
+    for n, run in sorted(scoped.items()):
+        ok = abs(run.hit_ratio - runs[n].hit_ratio) <= 0.02 * runs[n].hit_ratio
+        print(f"  {'PASS' if ok else 'FAIL'} issue 48, {run.label}: hit ratio {run.hit_ratio:.1%} vs "
+              f"{runs[n].hit_ratio:.1%} with no scope ({run.hit_ratio / runs[n].hit_ratio:.1%}; within 2%)")
     if args.json:
         Path(args.json).write_text(json.dumps({r.label: {
             "requests": len(r.turns), "seconds": r.seconds, "computed": r.computed, "hit_ratio": r.hit_ratio,
-            "shares": r.shares(), "stats": r.stats} for r in runs.values()}, indent=2))
+            "shares": r.shares(), "stats": r.stats} for r in [*runs.values(), *scoped.values()]}, indent=2))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import redis
 from pagedq.pipeline.gateway.config import GatewayKeys
 from pagedq.pipeline.gateway.errors import ApiError
 from pagedq.pipeline.gateway.keys import Tenant
+from pagedq.pipeline.gateway.ledger import DROP
 from pagedq.pipeline.gateway.shapes import FileDeleted, FileObject, list_page
 
 log = logging.getLogger(__name__)
@@ -42,19 +43,8 @@ READ_CHUNK = 4 << 20  # file content is read back this much at a time
 WRITE_CHUNK = 4 << 20  # an upload is written into Redis this much at a time
 
 # Shared by the scripts below.  KEYS[1..3]: ledger, expiry, usage.  drop(id) forgets a ledger entry.
-_LEDGER = """
-local function drop(id)
-  local entry = redis.call('HGET', KEYS[1], id)
-  if entry then
-    local bytes, tenant = string.match(entry, '^(%d+) (.+)$')
-    local freed = 0 - tonumber(bytes)  -- not -n: Lua writes -0 for 0, which HINCRBY refuses
-    redis.call('HINCRBY', KEYS[3], 'bytes:' .. tenant, freed)
-    redis.call('HINCRBY', KEYS[3], 'files:' .. tenant, -1)
-    redis.call('HINCRBY', KEYS[3], 'bytes', freed)
-    redis.call('HDEL', KEYS[1], id)
-  end
-  redis.call('ZREM', KEYS[2], id)
-end
+_LEDGER = DROP + """
+local function drop(id) drop_entry(KEYS[1], KEYS[2], KEYS[3], id, true) end
 """
 
 # ARGV: now, file id, tenant, bytes, entry's end (unix s), tenant's max bytes, tenant's max files,
@@ -64,7 +54,7 @@ end
 # but the settling of lapsed entries.
 _CLAIM = _LEDGER + """
 local now = tonumber(ARGV[1])
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 100)) do drop(id) end
+settle(KEYS[1], KEYS[2], KEYS[3], now, true)
 local id, tenant, add = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local old = redis.call('HGET', KEYS[1], id)
 if old and ARGV[9] ~= 'grow' then drop(id); old = nil end

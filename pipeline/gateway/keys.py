@@ -51,7 +51,7 @@ class Tenant:
     max_priority: int = 9  # the highest job priority (0-9) this tenant may ask for
     rpm: int | None = None  # requests per minute; None: unlimited
     max_queued: int | None = None  # jobs waiting or running at once; None: unlimited
-    max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES  # bytes of files kept at once: uploads and batch output
+    max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES  # bytes kept at once: files, stored responses, results
     max_files: int = DEFAULT_MAX_FILES  # files kept at once (a batch holds two places for its output files)
     weight: float = 1.0  # share of service within a priority band, relative to other tenants' weights
     cache_group: str | None = None  # tenants that may share cached answers and prompt blocks; None: its own

@@ -31,27 +31,18 @@ from pagedq.config.names import Names
 from pagedq.pipeline.gateway.config import GatewayKeys
 from pagedq.pipeline.gateway.errors import ApiError
 from pagedq.pipeline.gateway.keys import Tenant
+from pagedq.pipeline.gateway.ledger import DROP
 
 # KEYS: responses ledger, responses expiry, the files' usage hash.  drop(id) forgets a ledger entry.
-_DROP = """
-local function drop(id)
-  local entry = redis.call('HGET', KEYS[1], id)
-  if entry then
-    local bytes, tenant = string.match(entry, '^(%d+) (.+)$')
-    local freed = 0 - tonumber(bytes)
-    redis.call('HINCRBY', KEYS[3], 'bytes:' .. tenant, freed)
-    redis.call('HINCRBY', KEYS[3], 'bytes', freed)
-    redis.call('HDEL', KEYS[1], id)
-  end
-  redis.call('ZREM', KEYS[2], id)
-end
+_DROP = DROP + """
+local function drop(id) drop_entry(KEYS[1], KEYS[2], KEYS[3], id, false) end
 """
 
 # ARGV: now, id, tenant, bytes, lapses at, tenant's max bytes, store cap (0: none).
 # Returns 'ok', or {limit, used} (nothing recorded).
 _CLAIM = _DROP + """
 local now = tonumber(ARGV[1])
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 100)) do drop(id) end
+settle(KEYS[1], KEYS[2], KEYS[3], now, false)
 local tenant, add = ARGV[3], tonumber(ARGV[4])
 local used = tonumber(redis.call('HGET', KEYS[3], 'bytes:' .. tenant) or '0')
 if used + add > tonumber(ARGV[6]) then return {'max_stored_bytes', used} end

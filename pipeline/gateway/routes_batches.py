@@ -31,7 +31,7 @@ _LIST = errors(400, 401, 429, 503)
              responses={200: {"model": FileObject, "description": "the stored file"}, **errors()})
 async def upload_file(request: Request, tenant: TenantDep) -> JSONResponse:
     gw = gateway(request)
-    release = gw.uploads.enter()  # 503 beyond MAX_CONCURRENT_UPLOADS: each upload is held whole while read
+    release = gw.enter_upload(tenant)  # a bounded number at once: each upload is held whole while read
     try:
         return await _upload(gw, request, tenant)
     finally:

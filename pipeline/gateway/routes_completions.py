@@ -95,10 +95,10 @@ async def _admitted(gw: Gateway, request: Request, url: str, tenant: Tenant) -> 
                        int(time.time()), sub.include_usage, sub.continuous_usage)
     if req.stream:
         hold = bool(getattr(req, "tool_parsing", ""))
-        return _Streamed(_stream(gw, job_id, shape, hold), media_type="text/event-stream",
+        return _Streamed(_stream(gw, tenant, job_id, shape, hold), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return await _blocking(gw, request, job_id)
+        return await _blocking(gw, request, tenant, job_id)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
 
@@ -116,7 +116,7 @@ class _Streamed(StreamingResponse):
                 self.on_close()
 
 
-async def _blocking(gw: Gateway, request: Request, job_id: str) -> Response:
+async def _blocking(gw: Gateway, request: Request, tenant: Tenant, job_id: str) -> Response:
     expire = gw.expiry_tick(job_id)
 
     async def tick(rec: dict[str, str]) -> None:
@@ -131,10 +131,12 @@ async def _blocking(gw: Gateway, request: Request, job_id: str) -> Response:
     result = await follow.result(gw.aredis(), gw.names, job_id)
     if result is None:
         raise ApiError.not_found("result of job", job_id)
+    await run_in_threadpool(gw.stored.record_result, tenant.name, job_id)
     return JSONResponse(result)
 
 
-async def _stream(gw: Gateway, job_id: str, shape: ChunkShape, hold: bool = False) -> AsyncIterator[bytes]:
+async def _stream(gw: Gateway, tenant: Tenant, job_id: str, shape: ChunkShape,
+                  hold: bool = False) -> AsyncIterator[bytes]:
     """The job's chunks.  The job is cancelled only if the client goes away first (this generator is cancelled
     or closed); a broker error ends the stream with an error chunk and leaves the job running.  ``hold``
     (a request with tools): the text is held back until the end, then sent in one chunk as content and
@@ -175,6 +177,7 @@ async def _stream(gw: Gateway, job_id: str, shape: ChunkShape, hold: bool = Fals
             yield sse(shape.finish(choice.get("finish_reason"), choice.get("stop_reason")))
             if shape.include_usage:
                 yield sse(shape.usage(result["usage"]))
+            await run_in_threadpool(gw.stored.record_result, tenant.name, job_id)
     except (asyncio.CancelledError, GeneratorExit):  # the client went away
         with anyio.CancelScope(shield=True):
             await run_in_threadpool(gw.cancel_quietly, job_id)

@@ -26,6 +26,7 @@ from pagedq.pipeline.gateway.errors import RETRY_AFTER_S, ApiError
 from pagedq.pipeline.gateway.files import FileStore
 from pagedq.pipeline.gateway.follow import Follower, Tick
 from pagedq.pipeline.gateway.keys import ANONYMOUS, KeyRing, Tenant
+from pagedq.pipeline.gateway.ledger import StoredBytes
 from pagedq.pipeline.gateway.limits import TenantLimits
 from pagedq.pipeline.protocol import scoped_cache_salt
 from pagedq.store.connection import async_redis_client, redis_client
@@ -36,6 +37,7 @@ LIVENESS_CACHE_S = 2.0  # how long "a worker serves model M" is believed without
 READY_CACHE_S = 1.0  # how long the ready workers' counts are believed without looking again
 ASYNC_POOL_SIZE = 64  # asyncio Redis connections per gateway process; a call waits for a free one
 MAX_CONCURRENT_UPLOADS = 4  # file uploads one gateway process receives at once (each held whole: max_file_bytes)
+MAX_TENANT_UPLOADS = 2  # of those, one tenant's: a tenant uploading more is refused (429) before the others are
 
 
 @dataclass
@@ -80,15 +82,42 @@ class Gateway:
         self.raw = redis_client(self.url, self._socket_timeout_s, self.settings, decode_responses=False)
         self.limits = TenantLimits(self.r, self.keys, self.names.job(""))
         self.files = FileStore(self.r, self.raw, self.keys, self.config.file_ttl_s, self.settings.file_store_share)
+        self.stored = StoredBytes(self.r, self.names, self.keys)  # files, responses and results, per tenant
         self.batches = BatchStore(self.client, self.files, self.limits, self.keys, self.config)
         self.admission = Admission(self.settings.gateway_limit_concurrency)
         self.uploads = Admission(MAX_CONCURRENT_UPLOADS, what="file uploads at once")  # bounds their memory
+        self._tenant_uploads: dict[str, int] = {}  # tenant -> its uploads this process receives now
         self._aredis: aredis.Redis | None = None
         self._follower: Follower | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, tuple[float, bool]] = {}
         self._ready: tuple[float, dict[str, int]] = (-READY_CACHE_S, {})
         self._models = ModelLookups(self.r, self.names)
+
+    def enter_upload(self, tenant: Tenant) -> Callable[[], None]:
+        """Take an upload's place (on the event loop): 429 naming ``file`` when the tenant already sends
+        ``MAX_TENANT_UPLOADS`` to this process (so one tenant cannot take every place), 503 when the process
+        receives ``MAX_CONCURRENT_UPLOADS``.  Returns the place's release, which is idempotent."""
+        mine = self._tenant_uploads.get(tenant.name, 0)
+        if mine >= MAX_TENANT_UPLOADS:
+            raise ApiError(429, f"file: this gateway process is receiving {mine} uploads of tenant "
+                                f"{tenant.name!r} already, at most {MAX_TENANT_UPLOADS} at once; retry when one "
+                                "has ended.", "file", "rate_limit_exceeded", RETRY_AFTER_S)
+        release_place = self.uploads.enter()
+        self._tenant_uploads[tenant.name] = mine + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                release_place()
+                left = self._tenant_uploads[tenant.name] - 1
+                if left:
+                    self._tenant_uploads[tenant.name] = left
+                else:
+                    del self._tenant_uploads[tenant.name]
+        return release
 
     def close(self) -> None:
         self.client.close()
@@ -144,9 +173,11 @@ class Gateway:
         return JobStatus.from_record(job_id, rec), rec
 
     def submit(self, tenant: Tenant, kwargs: dict) -> str:
-        """``Client.submit(**kwargs)`` within the tenant's limits; the job is written with its tenant, and runs in
-        its cache scope (``scoped_cache_salt``: no other tenant's cached answers or prompt blocks)."""
+        """``Client.submit(**kwargs)`` within the tenant's limits (its storage quota among them: 429 while it
+        stores ``max_stored_bytes``); the job is written with its tenant, and runs in its cache scope
+        (``scoped_cache_salt``: no other tenant's cached answers or prompt blocks)."""
         kwargs = {**kwargs, "cache_salt": scoped_cache_salt(tenant.cache_scope, kwargs.get("cache_salt"))}
+        self.stored.check_room(tenant)
         reservation = self.limits.reserve(tenant, 1)
         try:
             job_id = self.client.submit(**kwargs, tenant=tenant.name)

@@ -29,6 +29,7 @@ from pagedq.pipeline.gateway.config import HANDOFF_VARIABLE, KEYS_FILE_VARIABLE,
 from pagedq.pipeline.gateway.errors import ApiError
 from pagedq.pipeline.gateway.files import OutputFile
 from pagedq.pipeline.gateway.keys import Tenant, hash_key
+from pagedq.pipeline.gateway.ledger import RESULT_BUCKET_S, ROOM_CACHE_S
 from pagedq.pipeline.gateway.state import Gateway
 from pagedq.pipeline.local.redis_server import RedisServer
 from pagedq.pipeline.local.stack import settings_env
@@ -41,9 +42,11 @@ RESULT_TTL_S = 4
 STORES_TTL_S = 2  # result_ttl_s of the tests without a model
 QUOTA_BYTES = 96 << 10
 MAX_FILE_BYTES = 8 << 20
+SPENDER_QUOTA_BYTES = 4 << 10  # less than one answer with top logprobs (below)
 TENANTS = {  # API key -> its keys-file entry
     "sk-full": {"tenant": "full", "max_stored_bytes": QUOTA_BYTES, "max_files": 3},
     "sk-other": {"tenant": "other"},
+    "sk-spender": {"tenant": "spender", "max_stored_bytes": SPENDER_QUOTA_BYTES},
 }
 
 
@@ -134,6 +137,29 @@ def test_a_full_file_store_refuses_files_never_jobs(tmp_path):
             assert gw.client.status(job_id).state == JobState.QUEUED
         finally:
             gw.close()
+
+
+def test_results_count_in_the_tenant_storage_until_they_expire(stores):
+    gw = stores
+    spender = Tenant("spender-u", max_stored_bytes=800)
+    file = upload(gw, spender, random_file(300))
+    job_ids = [gw.submit(spender, {"messages": [{"role": "user", "content": random_text(20)}], "max_tokens": 2})
+               for _ in range(2)]
+    end_jobs(gw, job_ids)
+    sizes = [gw.r.strlen(gw.names.result(j)) for j in job_ids]
+    assert [gw.stored.record_result(spender.name, j) for j in job_ids] == sizes and min(sizes) > 0
+    assert gw.stored.record_result(spender.name, job_ids[0]) == 0  # counted once, however often it is answered
+    assert gw.stored.used(spender) == file["bytes"] + sum(sizes) > spender.max_stored_bytes
+    time.sleep(ROOM_CACHE_S)  # room seen at the submits is believed that long
+    with pytest.raises(ApiError) as over:
+        gw.submit(spender, {"messages": [{"role": "user", "content": random_text(20)}], "max_tokens": 2})
+    assert over.value.status == 429 and over.value.code == "storage_quota_exceeded"
+    assert "max_stored_bytes" in str(over.value) and "results" in str(over.value)
+    gw.stored.check_room(Tenant("bystander", max_stored_bytes=1000))  # another tenant's room is its own
+
+    time.sleep(STORES_TTL_S + RESULT_BUCKET_S)  # the results expired: their bytes are given back, the file's not
+    assert gw.stored.used(spender) == file["bytes"]
+    assert gw.submit(spender, {"messages": [{"role": "user", "content": random_text(20)}], "max_tokens": 2})
 
 
 def end_jobs(gw: Gateway, job_ids: list[str]) -> None:
@@ -281,6 +307,25 @@ def test_over_quota_tenant_is_refused_and_another_tenants_jobs_run(gateway, sett
     answer = other.chat.completions.create(model=settings.model, max_tokens=2,
                                            messages=[{"role": "user", "content": random_text(20)}])
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
+
+
+def test_completion_results_count_in_the_quota_through_the_gateway(gateway, settings):
+    spender, other = sdk(gateway, "sk-spender"), sdk(gateway, "sk-other")
+
+    def ask(api: openai.OpenAI, stream: bool = False):
+        return api.chat.completions.create(  # ~7 KB of result with its top logprobs: over the 4 KiB quota
+            model=settings.model, max_tokens=24, logprobs=True, top_logprobs=5, temperature=0, stream=stream,
+            messages=[{"role": "user", "content": random_text(30)}])
+    for stream in (False, True):  # a blocking answer's result counts, and a streamed one's
+        answer = ask(spender, stream)
+        if stream:
+            assert "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
+        time.sleep(ROOM_CACHE_S + 0.2)
+        with pytest.raises(openai.RateLimitError) as over:
+            ask(spender)
+        assert over.value.code == "storage_quota_exceeded" and "max_stored_bytes" in over.value.message
+        assert ask(other).choices[0].message.content  # nobody else is refused
+        time.sleep(RESULT_TTL_S + RESULT_BUCKET_S)  # the result expired: the spender has room again
 
 
 def test_batch_read_first_after_result_ttl_is_completed_with_its_output(gateway, settings):

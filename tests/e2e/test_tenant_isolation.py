@@ -198,17 +198,23 @@ def test_costly_requests_get_a_400_naming_the_field(gateway):
     assert "line 2" in reply.json()["error"]["message"]
 
 
-def test_uploads_at_once_are_bounded_per_gateway_process(gateway):
-    """MAX_CONCURRENT_UPLOADS uploads still sending their bodies hold every place: the next is a 503 with
-    Retry-After, before its body is read; once they end, uploads are taken again."""
-    from pagedq.pipeline.gateway.state import MAX_CONCURRENT_UPLOADS
+def test_uploads_at_once_are_bounded_per_tenant_and_per_gateway_process(gateway):
+    """Uploads still sending their bodies hold their places: a tenant's upload beyond MAX_TENANT_UPLOADS is a
+    429 naming ``file``; any upload beyond MAX_CONCURRENT_UPLOADS is a 503 with Retry-After, both before the
+    body is read; once they end, uploads are taken again."""
+    from pagedq.pipeline.gateway.state import MAX_CONCURRENT_UPLOADS, MAX_TENANT_UPLOADS
 
-    headers = {"Authorization": "Bearer sk-b", "Content-Type": "multipart/form-data; boundary=b"}
+    keys = list(TENANTS)
+    holders = [keys[i // MAX_TENANT_UPLOADS] for i in range(MAX_CONCURRENT_UPLOADS)]  # fill every place
+    newcomer = keys[len(set(holders))]  # holds no place
     line = json.dumps({"custom_id": "x", "url": CHAT, "body": {"messages": [{"role": "user", "content": "hi"}]}})
     form = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
             b'form-data; name="file"; filename="in.jsonl"\r\n\r\n' + line.encode() + b"\n\r\n--b--\r\n")
 
-    async def main() -> tuple[list[int], int, int]:
+    def headers(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}", "Content-Type": "multipart/form-data; boundary=b"}
+
+    async def main() -> tuple[list[int], httpx.Response, httpx.Response, httpx.Response]:
         go = asyncio.Event()
 
         async def slow_body():
@@ -216,15 +222,17 @@ def test_uploads_at_once_are_bounded_per_gateway_process(gateway):
             await go.wait()
             yield form[50:]
         async with httpx.AsyncClient(base_url=gateway, timeout=TIMEOUT) as http:
-            held = [asyncio.create_task(http.post("/v1/files", headers=headers, content=slow_body()))
-                    for _ in range(MAX_CONCURRENT_UPLOADS)]
+            held = [asyncio.create_task(http.post("/v1/files", headers=headers(k), content=slow_body()))
+                    for k in holders]
             await asyncio.sleep(1.0)  # every held upload has taken its place
-            over = await http.post("/v1/files", headers=headers, content=form)
+            tenant_over = await http.post("/v1/files", headers=headers(holders[0]), content=form)
+            process_over = await http.post("/v1/files", headers=headers(newcomer), content=form)
             go.set()
             codes = [r.status_code for r in await asyncio.gather(*held)]
-            after = await http.post("/v1/files", headers=headers, content=form)
-            return codes, over, after
-    codes, over, after = asyncio.run(main())
+            after = await http.post("/v1/files", headers=headers(holders[0]), content=form)
+            return codes, tenant_over, process_over, after
+    codes, tenant_over, process_over, after = asyncio.run(main())
     assert codes == [200] * MAX_CONCURRENT_UPLOADS
-    assert over.status_code == 503 and over.headers.get("retry-after"), over.text
+    assert tenant_over.status_code == 429 and tenant_over.json()["error"]["param"] == "file", tenant_over.text
+    assert process_over.status_code == 503 and process_over.headers.get("retry-after"), process_over.text
     assert after.status_code == 200
