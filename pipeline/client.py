@@ -60,7 +60,7 @@ from pagedq.store.connection import BrokerUnavailable, redis_client
 from pagedq.store.connection import broker_url as find_broker_url
 from pagedq.store.control import ControlChannel, configured_secret
 from pagedq.store.jobs import JobStore, now
-from pagedq.store.registry import ModelLookups, lookup_model, served_models
+from pagedq.store.registry import ModelInfo, ModelLookups, lookup_model, served_models
 from pagedq.store.result_cache import ResultCache, is_deterministic, request_digest
 
 log = logging.getLogger(__name__)
@@ -287,13 +287,7 @@ class Client:
         """The request, checked against the schema and the served model; raises RequestError."""
         req = parse_request(url, body)
         params = to_sampling_params(req)
-        req.model = canonical_name(self.settings, req.model or default_model(self.settings))
-        info = self._models.lookup(req.model)  # remembered a second: a batch reads each model about once
-        if info is not None:
-            req.model = info.name  # an alias (another served name) is the model's own name from here on
-        if info is None and req.model != default_model(self.settings):
-            raise RequestError(f"model: unknown model {req.model!r}; served: {self._models.served()}", "model",
-                               code="model_not_found")
+        req.model, info = self.check_model(req.model)
         if info is not None:
             max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
             if max_tokens >= info.max_model_len:
@@ -305,6 +299,17 @@ class Client:
             check_logit_bias(params.logit_bias, info.vocab_size)
             check_stop_token_ids(params.stop_token_ids, info.vocab_size)
         return req
+
+    def check_model(self, model: str | None) -> tuple[str, ModelInfo | None]:
+        """(the model's own name, its registry record) for a request naming ``model`` (None: the default);
+        RequestError naming ``model`` if no worker ever registered it (the default model may be registered
+        later: its record is None until then).  Remembered a second: a batch reads each model about once."""
+        name = canonical_name(self.settings, model or default_model(self.settings))
+        info = self._models.lookup(name)
+        if info is None and name != default_model(self.settings):
+            raise RequestError(f"model: unknown model {name!r}; served: {self._models.served()}", "model",
+                               code="model_not_found")
+        return (name if info is None else info.name), info  # an alias is the model's own name from here on
 
     # --- models and the result cache ---------------------------------------------
     @_broker_call

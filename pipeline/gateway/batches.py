@@ -133,6 +133,7 @@ class BatchStore:
         lines = self._input_lines(tenant, req.input_file_id)
         default = self.client.batch_priority
         lines = [prepare_line(line, req.endpoint, tenant.max_priority, default, tenant.cache_scope) for line in lines]
+        self._check_models(req.input_file_id, lines)
         outputs = self._reserve_outputs(tenant)
         try:
             batch_id, reservation = self._submit(tenant, lines)
@@ -162,6 +163,26 @@ class BatchStore:
         except BaseException:
             self.limits.release(tenant, reservation)
             raise
+
+    def _check_models(self, file_id: str, lines: list[str]) -> None:
+        """400 naming ``input_file_id`` and the first line that names a model no worker serves, before anything
+        is written (as OpenAI fails a batch whose model does not exist): a batch of 50,000 such lines is one
+        refusal, not 50,000 failed jobs.  Each distinct model is looked up once."""
+        first_line: dict[object, int] = {}
+        for number, line in enumerate(lines, 1):
+            try:
+                body = json.loads(line).get("body")
+            except (ValueError, RecursionError, AttributeError):
+                continue  # not a JSON object: the request schema names what is wrong with the line
+            model = body.get("model") if isinstance(body, dict) else None
+            if isinstance(model, str | None):
+                first_line.setdefault(model, number)
+        for model, number in first_line.items():
+            try:
+                self.client.check_model(model)
+            except RequestError as e:
+                raise ApiError(400, f"input_file_id: line {number} of file {file_id!r}: {e}", "input_file_id",
+                               e.code or "invalid_request_error") from None
 
     def _reserve_outputs(self, tenant: Tenant) -> dict[str, str]:
         """Take the places of the batch's output and error files in the tenant's ``max_files`` (429 if none)."""

@@ -198,6 +198,26 @@ def test_costly_requests_get_a_400_naming_the_field(gateway):
     assert "line 2" in reply.json()["error"]["message"]
 
 
+def test_a_batch_naming_a_model_nobody_serves_is_refused_whole_before_any_job(gateway, client):
+    headers = {"Authorization": "Bearer sk-a"}
+    unknown = f"no-such-model-{random.randrange(10**6)}"
+    lines = [{"custom_id": f"l{i}", "url": CHAT, "body": {"messages": [{"role": "user", "content": phrase(3)}],
+                                                          "max_tokens": 1, **({"model": unknown} if i >= 2 else {})}}
+             for i in range(5000)]
+    upload = httpx.post(f"{gateway}/v1/files", headers=headers, timeout=TIMEOUT, data={"purpose": "batch"},
+                        files={"file": ("in.jsonl", "\n".join(json.dumps(x) for x in lines).encode())})
+    assert upload.status_code == 200, upload.text
+    batches = httpx.get(f"{gateway}/v1/batches", headers=headers, timeout=TIMEOUT).json()["data"]
+    jobs = client.r.zcard(client.names.active_jobs)
+    reply = httpx.post(f"{gateway}/v1/batches", headers=headers, timeout=TIMEOUT, json={
+        "input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "input_file_id" and error["code"] == "model_not_found"
+    assert "line 3 " in error["message"] and repr(unknown) in error["message"]
+    assert httpx.get(f"{gateway}/v1/batches", headers=headers, timeout=TIMEOUT).json()["data"] == batches
+    assert client.r.zcard(client.names.active_jobs) == jobs  # not one job written
+
+
 def test_uploads_at_once_are_bounded_per_tenant_and_per_gateway_process(gateway):
     """Uploads still sending their bodies hold their places: a tenant's upload beyond MAX_TENANT_UPLOADS is a
     429 naming ``file``; any upload beyond MAX_CONCURRENT_UPLOADS is a 503 with Retry-After, both before the
