@@ -15,6 +15,8 @@ then while A runs each scenario:
 - ``uploads``: 20 concurrent 64 MiB uploads;
 - ``regex``: a pathological regex and a JSON-schema ``pattern`` (refused), and a long legal one;
 - ``cancel_storm``: a 5,000-line batch cancelled 200 times from 8 threads;
+- ``big_batch``: the same 5,000-line batch, not cancelled (not in the default list: it tells the batch's
+  creation from the cancels in ``cancel_storm``'s figure);
 - ``replay``: B's own greedy prompts sent again by A.
 
 Columns: B's TTFT p90 (and its ratio to B alone: at most 2x is the bar), A's requests by outcome (2xx; 4xx
@@ -284,6 +286,10 @@ def cancel_storm(a: Attack) -> None:
         list(pool.map(lambda _: a.post(f"/v1/batches/{batch_id}/cancel"), range(200)))
 
 
+def big_batch(a: Attack) -> None:
+    a.batch([line(i, max_tokens=16) for i in range(5_000)], wait=False)
+
+
 def replay(a: Attack) -> None:
     """A sends B's prompts as B sent them; a leak is an answer marked cached, or more cached_tokens than A's
     own prompts of the same form find cached (the chat template and the words they share, cached by A itself)."""
@@ -304,6 +310,7 @@ def replay(a: Attack) -> None:
 SCENARIOS: dict[str, Callable[[Attack], None]] = {
     "unknown_model_batch": unknown_model_batch, "stop_logit": stop_logit, "n128": n128, "uploads": uploads,
     "regex": regex, "cancel_storm": cancel_storm, "replay": replay}
+EXTRA_SCENARIOS: dict[str, Callable[[Attack], None]] = {"big_batch": big_batch}
 
 
 def start_gateway(settings: Settings, url: str, folder: Path, keys: dict[str, str]) -> tuple[str, object]:
@@ -327,13 +334,15 @@ def start_gateway(settings: Settings, url: str, folder: Path, keys: dict[str, st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenarios", nargs="*", help=f"some of: {', '.join(SCENARIOS)} (default: all)")
+    everything = {**SCENARIOS, **EXTRA_SCENARIOS}
+    ap.add_argument("scenarios", nargs="*", help=f"some of: {', '.join(everything)} (default: "
+                                                 f"{', '.join(SCENARIOS)})")
     ap.add_argument("--seconds", type=float, default=60, help="how long each scenario (and B alone) runs")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops the stack it started
     names = args.scenarios or list(SCENARIOS)
-    if unknown := [n for n in names if n not in SCENARIOS]:
-        ap.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    if unknown := [n for n in names if n not in everything]:
+        ap.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(everything)}")
     keys = {"hostile-a": f"sk-{secrets.token_hex(16)}", "victim-b": f"sk-{secrets.token_hex(16)}"}
     rows = []
     with tempfile.TemporaryDirectory(prefix="pagedq-hostile-") as scratch:
@@ -357,7 +366,7 @@ def main() -> None:
                     memory.start()
                     attack = Attack(base, keys["hostile-a"], args.seconds, victim)
                     t0 = time.monotonic()
-                    SCENARIOS[name](attack)
+                    everything[name](attack)
                     left = args.seconds - (time.monotonic() - t0)
                     if left > 0:
                         time.sleep(left)  # B's figure over at least the scenario's seconds
