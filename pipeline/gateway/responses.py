@@ -112,8 +112,8 @@ def _read_job(gw: Gateway, job_id: str) -> tuple[dict[str, str], dict | None]:
         gw.expire_if_due(job_id, rec)
         rec = gw.client.store.get(job_id) or {}
     result = gw.client.store.result(job_id) if rec.get("state") == JobState.COMPLETED else None
-    if result is not None and rec.get("tenant"):
-        gw.stored.record_result(rec["tenant"], job_id)  # once: later reads find it counted
+    if result is not None and rec.get("tenant") and not rec.get("result_counted"):
+        gw.stored.record_result(rec["tenant"], job_id)  # once: the record is flagged, later polls skip this
     return rec, result
 
 
