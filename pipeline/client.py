@@ -570,6 +570,18 @@ class Client:
         return status
 
     @_broker_call
+    def cancel_batch(self, batch_id: str, chunk: int = 500) -> BatchStatus:
+        """Cancel every job of the batch still waiting or running: the waiting ones end ``cancelled`` at once,
+        the running ones within a worker's re-check interval.  ``chunk`` jobs a round trip, with a pause
+        between chunks so that a 50,000-job batch's walk leaves the broker and this process to others."""
+        self.batch_status(batch_id)  # JobNotFoundError for an unknown batch
+        key = self.names.batch_jobs(batch_id)
+        for start in range(0, int(self.r.llen(key)), chunk):
+            self.store.cancel_many(self.r.lrange(key, start, start + chunk - 1))
+            time.sleep(0.001)
+        return self.batch_status(batch_id)
+
+    @_broker_call
     def batch_results(self, batch_id: str, timeout: float | None = None) -> list[dict]:
         """OpenAI Batch output lines, in input order (waits for the batch to finish)."""
         self.wait_batch(batch_id, timeout)

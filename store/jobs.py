@@ -405,17 +405,12 @@ class JobStore:
         epoch (another worker took it since) nothing is written or published and False is returned.  None: the
         end is not a holder's (cancel, expiry, a lost job), whoever holds the job."""
         assert state.is_terminal
-        n = self.names
-        keys = [n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
-                n.batches_to_finalize, n.deadlines]
-        args = [state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
-                json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id,
-                n.stream_ttl_after_end_s, "defer" if self.min_replicas_ack else "", _fence_arg(fence)]
         if not self.min_replicas_ack:
-            ended = self._finish(keys=keys, args=args)
+            ended = self._finish_script(job_id, state, result, error, fence)
             return not self._fenced(job_id, ended, fence, "finish") and bool(ended)
+        n = self.names
         pipe = self.r.pipeline(transaction=False)
-        self._finish(keys=keys, args=args, client=pipe)
+        self._finish_script(job_id, state, result, error, fence, client=pipe)
         ended, acked = self._wait_behind(pipe)
         if not ended or self._fenced(job_id, ended, fence, "finish"):
             return False
@@ -429,6 +424,16 @@ class JobStore:
             pipe.publish(ended[1], "completed")
         pipe.execute()
         return True
+
+    def _finish_script(self, job_id: str, state: JobState, result: dict | None, error: dict | None,
+                       fence: int | None, client: redis.Redis | None = None):
+        n = self.names
+        keys = [n.job(job_id), n.result(job_id), n.stream(job_id), n.job_message(job_id), n.active_jobs,
+                n.batches_to_finalize, n.deadlines]
+        args = [state.value, now(), self.ttl, json.dumps(result) if result is not None else "",
+                json.dumps(error) if error is not None else "", n.done_channel(job_id), job_id,
+                n.stream_ttl_after_end_s, "defer" if self.min_replicas_ack else "", _fence_arg(fence)]
+        return self._finish(keys=keys, args=args, client=client)
 
     def expire_if_due(self, job_id: str) -> bool:
         """End a job never started and past its ``expires_at``, as a worker taking it would; True if it did."""
@@ -444,6 +449,28 @@ class JobStore:
         previous = self._cancel(keys=[self.names.job(job_id), self.names.job_flags_epoch], args=[now()])
         if previous == JobState.QUEUED:
             FairDispatch(self.r, self.names).remove(job_id)
+        return previous
+
+    def cancel_many(self, job_ids: list[str]) -> list[str]:
+        """``request_cancel`` for many jobs (a batch's cancel) in a few round trips, ending the queued ones
+        ``cancelled`` here.  Running ones are marked and ``names.job_flags_epoch`` moved, so their workers end
+        them at their next re-check (``PAGEDQ_PROGRESS_INTERVAL_S``): no control message each.  Returns each
+        job's previous state ('missing' if unknown)."""
+        n = self.names
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            self._cancel(keys=[n.job(job_id), n.job_flags_epoch], args=[now()], client=pipe)
+        previous = pipe.execute() if job_ids else []
+        queued = [j for j, p in zip(job_ids, previous, strict=True) if p == JobState.QUEUED]
+        FairDispatch(self.r, n).remove_many(queued)
+        if self.min_replicas_ack:  # each end waits for its replicas before it is announced
+            for job_id in queued:
+                self.finish(job_id, JobState.CANCELLED)
+        elif queued:
+            pipe = self.r.pipeline(transaction=False)
+            for job_id in queued:
+                self._finish_script(job_id, JobState.CANCELLED, None, None, None, client=pipe)
+            pipe.execute()
         return previous
 
     def request_stream(self, job_id: str) -> None:

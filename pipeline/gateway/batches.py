@@ -274,14 +274,10 @@ class BatchStore:
         return self.get(batch_id, tenant)
 
     def _cancel_jobs(self, batch_id: str) -> None:
-        jobs_key = self.names.batch_jobs(batch_id)
         try:
-            for start in range(0, int(self.r.llen(jobs_key)), FINALIZE_CHUNK):
-                for job_id in self.r.lrange(jobs_key, start, start + FINALIZE_CHUNK - 1):
-                    try:
-                        self.client.cancel(job_id)
-                    except JobNotFoundError:
-                        pass
+            self.client.cancel_batch(batch_id, FINALIZE_CHUNK)
+        except JobNotFoundError:
+            pass
         except Exception:  # noqa: BLE001 - a thread of its own: say why, the batch's jobs end anyway
             log.exception("cancelling the jobs of batch %s failed", batch_id)
 

@@ -33,7 +33,7 @@ from pagedq.config.names import (
     PREPROCESS_TASK,
     broker_priority,
 )
-from pagedq.pipeline import Client, JobFailedError, RequestError
+from pagedq.pipeline import Client, JobFailedError, JobNotFoundError, RequestError
 from pagedq.pipeline.local.stack import Stack, settings_env
 from pagedq.workers.processes import free_port
 
@@ -350,6 +350,32 @@ def test_cancel_running_job_within_two_steps_frees_kv_blocks(client, stack):
         s = worker_stats(client, stack)
         return s["requests"] == "0" and s["used_blocks"] == "0" and s["free_blocks"] == s["num_blocks"]
     wait_until(freed, 10, what="the job's KV blocks to be freed")
+
+
+def test_cancel_batch_ends_waiting_jobs_at_once_and_running_ones_at_the_next_recheck(client, stack):
+    wait_idle(client, stack)
+    batch = client.submit_batch([{"custom_id": f"c{i}", "url": "/v1/completions",
+                                  "body": {"prompt": f"Story number {i}:", "max_tokens": 300, **GREEDY}}
+                                 for i in range(40)])
+    job_ids = client.r.lrange(client.names.batch_jobs(batch), 0, -1)
+    wait_until(lambda: int(worker_stats(client, stack).get("requests", 0)) >= 2, TIMEOUT, what="running jobs")
+    running = [j for j in job_ids if client.status(j).state == "in_progress"]
+    status = client.cancel_batch(batch)
+    queued_left = [j for j in job_ids if j not in running and not client.status(j).done]
+    assert queued_left == [], f"{len(queued_left)} waiting jobs not ended by the cancel"
+    done = client.wait_batch(batch, 3 * client.settings.progress_interval_s + 10)
+    assert done.cancelled + done.completed == 40 and done.cancelled >= 38, (status, done)
+    for j in running:
+        s = client.status(j)
+        assert s.state in ("cancelled", "completed")
+        assert s.state == "completed" or s.completion_tokens < 300
+    with pytest.raises(JobNotFoundError):
+        client.cancel_batch("no-such-batch")
+
+    def freed() -> bool:
+        s = worker_stats(client, stack)
+        return s["requests"] == "0" and s["used_blocks"] == "0"
+    wait_until(freed, 10, what="the batch's KV blocks to be freed")
 
 
 def test_job_not_started_in_time_expires(client):
