@@ -199,13 +199,13 @@ class BufferedSentEvents:
 
 
 def send_preprocess(app: Celery, msg: PreprocessJob, priority: int, line: int | None = None,
-                    event_dispatcher=None) -> None:
+                    event_dispatcher=None, payload: dict | None = None) -> None:
     """Send a job's preprocess message: the producer's send, and the lost-job sweep's resend.  ``line`` (a batch's
     line number): its broker step is ``bulk_step``; the job's band in the fair queue is its
     priority all the same.  ``event_dispatcher``: where its ``task-sent`` event goes (``BufferedSentEvents``;
-    None: published at once)."""
+    None: published at once); ``payload``: ``to_json(msg)`` when the caller has it already."""
     step = broker_priority(priority) if line is None else bulk_step(priority, line)
-    app.send_task(PREPROCESS_TASK, args=[to_json(msg)], priority=step, argsrepr=msg.describe(),
+    app.send_task(PREPROCESS_TASK, args=[payload if payload is not None else to_json(msg)], priority=step, argsrepr=msg.describe(),
                   kwargsrepr="{}", event_dispatcher=event_dispatcher)
 
 

@@ -237,14 +237,14 @@ class Client:
         record = self._job_record(req, timeout_s, tenant=tenant, **cache_key)
         msg = self._preprocess_message(job_id, url, req, record)
         self._write_weights([tenant])
-        self.store.create([(job_id, record)], self.settings.max_queued_jobs,
-                          messages={job_id: json.dumps(to_json(msg))},
+        payload = to_json(msg)
+        self.store.create([(job_id, record)], self.settings.max_queued_jobs, messages={job_id: json.dumps(payload)},
                           tenant_share=self.settings.tenant_backlog_share)
         if cached is not None:
             self._answer_from_cache(job_id, cached)
         else:
             try:
-                self._send(msg, req.priority)
+                self._send(msg, req.priority, payload=payload)
             except BaseException:
                 self.store.discard(job_id)  # never sent: no trace of it stays
                 raise
@@ -376,10 +376,11 @@ class Client:
             self.r.hset(self.names.tenant_weights, mapping={t: repr(float(w)) for t, w in due.items()})
             self._weights_written.update(dict.fromkeys(due, time.monotonic()))
 
-    def _send(self, msg: PreprocessJob, priority: int, line: int | None = None, event_dispatcher=None) -> None:
+    def _send(self, msg: PreprocessJob, priority: int, line: int | None = None, event_dispatcher=None,
+              payload: dict | None = None) -> None:
         """``line``: a batch line's number (its broker step: ``bulk_step``); ``event_dispatcher``: where its
         task-sent event goes (``send_preprocess``)."""
-        send_preprocess(self.app, msg, priority, line=line, event_dispatcher=event_dispatcher)
+        send_preprocess(self.app, msg, priority, line=line, event_dispatcher=event_dispatcher, payload=payload)
 
     @property
     def batch_priority(self) -> int:
@@ -493,8 +494,9 @@ class Client:
         batch = {"state": "in_progress", "total": len(items), "created_at": now(), "jobs_key": jobs_key,
                  "done_channel": self.names.batch_done_channel(batch_id)}
         self._write_weights([tenant])
+        payloads = {j: to_json(m) for j, m in msgs.items()}  # made once: stored beside the record, and sent
         self.store.create(records, self.settings.max_queued_jobs, batch=(bkey, batch, job_ids),
-                          messages={j: json.dumps(to_json(m)) for j, m in msgs.items()},
+                          messages={j: json.dumps(p) for j, p in payloads.items()},
                           tenant_share=self.settings.tenant_backlog_share)
         loop = _SendLoop(self.store, job_ids)
         with self.app.connection_for_write() as conn:
@@ -510,7 +512,8 @@ class Client:
                     elif cached is not None:
                         self._answer_from_cache(job_id, cached)
                     else:
-                        self._send(msgs[job_id], req.priority, line=line, event_dispatcher=sent)
+                        self._send(msgs[job_id], req.priority, line=line, event_dispatcher=sent,
+                                   payload=payloads[job_id])
                     loop.one_sent()
             except BaseException as e:  # every job written ends: those not sent fail with the reason
                 error = RequestError(f"could not enqueue the job: {type(e).__name__}: {e}", code="server_error")

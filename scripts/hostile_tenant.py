@@ -190,6 +190,9 @@ class Attack:
     victim: Victim
     out: Outcomes = field(default_factory=Outcomes)
     leaks: int = 0
+    # One client, its connections kept, as a real attacker's: on this shared host, a new httpx client per request
+    # (its TLS context made each time, ~40 ms of CPU) cost more of the cores B shares than the gateway's answers.
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(limits=httpx.Limits(max_connections=32)))
 
     @property
     def headers(self) -> dict[str, str]:
@@ -197,7 +200,7 @@ class Attack:
 
     def post(self, path: str, timeout: float = 600, **kwargs) -> httpx.Response | None:
         try:
-            return self.out.note(httpx.post(self.base + path, headers=self.headers, timeout=timeout, **kwargs))
+            return self.out.note(self.http.post(self.base + path, headers=self.headers, timeout=timeout, **kwargs))
         except httpx.HTTPError as e:
             return self.out.note(e)
 
@@ -229,13 +232,26 @@ class Attack:
         deadline = time.monotonic() + self.seconds * 4
         while wait and time.monotonic() < deadline:
             try:
-                got = httpx.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
+                got = self.http.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
             except httpx.HTTPError:
                 break  # the gateway went away (the run ended): nothing more to wait for
             if got["status"] in ("completed", "failed", "cancelled", "expired"):
                 break
             time.sleep(1)
         return batch_id
+
+
+    def note_batch(self, batch_id: str | None, after_s: float = 5.0) -> None:
+        """Print the batch's status and counts ``after_s`` from now (on a thread: the scenario goes on)."""
+        def later() -> None:
+            time.sleep(after_s)
+            try:
+                got = self.http.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
+                print(f"  batch {batch_id}: {got['status']} {got['request_counts']}", flush=True)
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                print(f"  batch {batch_id}: not read ({e})", flush=True)
+        if batch_id is not None:
+            threading.Thread(target=later, daemon=True).start()
 
 
 def line(i: int, **body) -> dict:
@@ -284,10 +300,11 @@ def cancel_storm(a: Attack) -> None:
         return
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda _: a.post(f"/v1/batches/{batch_id}/cancel"), range(200)))
+    a.note_batch(batch_id)
 
 
 def big_batch(a: Attack) -> None:
-    a.batch([line(i, max_tokens=16) for i in range(5_000)], wait=False)
+    a.note_batch(a.batch([line(i, max_tokens=16) for i in range(5_000)], wait=False))
 
 
 def replay(a: Attack) -> None:
@@ -338,6 +355,8 @@ def main() -> None:
     ap.add_argument("scenarios", nargs="*", help=f"some of: {', '.join(everything)} (default: "
                                                  f"{', '.join(SCENARIOS)})")
     ap.add_argument("--seconds", type=float, default=60, help="how long each scenario (and B alone) runs")
+    ap.add_argument("--timeline", action="store_true", help="print each of B's chats in a scenario: when it "
+                                                            "started (s into the scenario) and its TTFT")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops the stack it started
     names = args.scenarios or list(SCENARIOS)
@@ -371,6 +390,9 @@ def main() -> None:
                     if left > 0:
                         time.sleep(left)  # B's figure over at least the scenario's seconds
                     p90, n = victim.p90_since(t0, time.monotonic())
+                    if args.timeline:
+                        print("  B's chats (s into the scenario: TTFT ms): " + ", ".join(
+                            f"{s - t0:.0f}: {d * 1e3:.0f}" for s, d in victim.ttfts if s >= t0), flush=True)
                     memory.halt.set()
                     rows.append((name, p90, n, attack, memory.peak))
                     print(f"{name}: B p90 {p90 * 1e3:.0f} ms ({p90 / alone:.2f}x, {n} chats); A: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,8 @@ from pagedq.pipeline.gateway.openapi import errors
 from pagedq.pipeline.gateway.shapes import Health
 from pagedq.pipeline.gateway.state import Gateway, gateway
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
 
 def create_app(settings: Settings | None = None, broker_url: str | None = None,
                config: GatewayConfig | None = None, keyring: KeyRing | None = None) -> FastAPI:
@@ -25,6 +28,10 @@ def create_app(settings: Settings | None = None, broker_url: str | None = None,
     ``pagedq serve`` handed over); the keyring to the config's keys file (none: every request is the one anonymous
     tenant)."""
     config = config or GatewayConfig.from_env()
+    # The event loop's streams wait on the GIL behind any request thread that computes (a 50,000-line batch
+    # being validated and sent): hand the GIL over every 0.5 ms rather than Python's default 5 ms, so that each
+    # of a stream's many hand-overs waits less (a 5,000-line batch took B's first-token p90 from 81 ms to 640).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     if keyring is None and config.api_keys_file is not None:
         keyring = KeyRing.load(config.api_keys_file)
     gw = Gateway(settings or get_settings(), broker_url, config, keyring)
