@@ -205,8 +205,9 @@ def send_preprocess(app: Celery, msg: PreprocessJob, priority: int, line: int | 
     priority all the same.  ``event_dispatcher``: where its ``task-sent`` event goes (``BufferedSentEvents``;
     None: published at once); ``payload``: ``to_json(msg)`` when the caller has it already."""
     step = broker_priority(priority) if line is None else bulk_step(priority, line)
-    app.send_task(PREPROCESS_TASK, args=[payload if payload is not None else to_json(msg)], priority=step, argsrepr=msg.describe(),
-                  kwargsrepr="{}", event_dispatcher=event_dispatcher)
+    args = [payload if payload is not None else to_json(msg)]
+    app.send_task(PREPROCESS_TASK, args=args, priority=step, argsrepr=msg.describe(), kwargsrepr="{}",
+                  event_dispatcher=event_dispatcher)
 
 
 @dataclass(frozen=True)

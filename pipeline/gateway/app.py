@@ -28,9 +28,9 @@ def create_app(settings: Settings | None = None, broker_url: str | None = None,
     ``pagedq serve`` handed over); the keyring to the config's keys file (none: every request is the one anonymous
     tenant)."""
     config = config or GatewayConfig.from_env()
-    # The event loop's streams wait on the GIL behind any request thread that computes (a 50,000-line batch
-    # being validated and sent): hand the GIL over every 0.5 ms rather than Python's default 5 ms, so that each
-    # of a stream's many hand-overs waits less (a 5,000-line batch took B's first-token p90 from 81 ms to 640).
+    # The event loop's streams wait on the GIL behind any request thread that computes (a 5,000-line batch being
+    # validated and sent: seconds): hand the GIL over every 0.5 ms rather than Python's default 5 ms, so that each
+    # of a stream's many hand-overs waits less (scripts/hostile_tenant.py cancel_storm --timeline shows it).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     if keyring is None and config.api_keys_file is not None:
         keyring = KeyRing.load(config.api_keys_file)
