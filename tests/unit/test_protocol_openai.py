@@ -212,3 +212,18 @@ def test_old_generate_messages_without_a_constraint_still_parse():
     raw = json.loads(json.dumps(to_json(job)))
     del raw["params"]["constraint"]
     assert parse_message(GenerateJob, raw).params.constraint is None
+
+
+def test_to_json_is_asdict_without_sharing_the_message_containers():
+    import dataclasses
+
+    req = chat(max_tokens=random.randint(2, 64), temperature=round(random.uniform(0.1, 1.5), 3),
+               stop=[f"s{random.randint(1, 999)}"], logit_bias={str(random.randint(1, 999)): 1.5},
+               seed=random.randint(1, 10_000), response_format={"type": "json_object"})
+    job = GenerateJob(f"j{random.randint(1, 10**9)}", "m", "chat", [random.randint(1, 999) for _ in range(7)],
+                      to_sampling_params(req), random.randint(0, 9))
+    got = to_json(job)
+    assert json.dumps(got, sort_keys=True) == json.dumps(dataclasses.asdict(job), sort_keys=True)
+    got["prompt_token_ids"].append(-1)  # a copy: the message keeps its own lists
+    assert job.prompt_token_ids[-1] != -1
+    assert parse_message(GenerateJob, json.loads(json.dumps(got))).params == job.params
