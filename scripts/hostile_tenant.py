@@ -191,7 +191,8 @@ class Attack:
     out: Outcomes = field(default_factory=Outcomes)
     leaks: int = 0
     # One client, its connections kept, as a real attacker's: on this shared host, a new httpx client per request
-    # (its TLS context made each time, ~40 ms of CPU) cost more of the cores B shares than the gateway's answers.
+    # (a TLS context made each time) took a whole core for 10 s over the cancel storm's 200 posts, more of the
+    # cores B shares than the gateway's answers did.
     http: httpx.Client = field(default_factory=lambda: httpx.Client(limits=httpx.Limits(max_connections=32)))
 
     @property
@@ -232,7 +233,7 @@ class Attack:
         deadline = time.monotonic() + self.seconds * 4
         while wait and time.monotonic() < deadline:
             try:
-                got = self.http.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
+                got = self.batch_object(batch_id)
             except httpx.HTTPError:
                 break  # the gateway went away (the run ended): nothing more to wait for
             if got["status"] in ("completed", "failed", "cancelled", "expired"):
@@ -240,13 +241,15 @@ class Attack:
             time.sleep(1)
         return batch_id
 
+    def batch_object(self, batch_id: str) -> dict:
+        return self.http.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
 
     def note_batch(self, batch_id: str | None, after_s: float = 5.0) -> None:
         """Print the batch's status and counts ``after_s`` from now (on a thread: the scenario goes on)."""
         def later() -> None:
             time.sleep(after_s)
             try:
-                got = self.http.get(f"{self.base}/v1/batches/{batch_id}", headers=self.headers, timeout=60).json()
+                got = self.batch_object(batch_id)
                 print(f"  batch {batch_id}: {got['status']} {got['request_counts']}", flush=True)
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 print(f"  batch {batch_id}: not read ({e})", flush=True)
