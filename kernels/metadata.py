@@ -28,6 +28,11 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int64
     # Per-step precomputation a backend builds once and reuses in every layer.
     plan: dict[str, Any] = field(default_factory=dict)
+    # KV groups 1.. of a model with sliding windows (their own slots and block tables, the same queries).
+    groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def group(self, index: int) -> AttentionMetadata:
+        return self.groups[index - 1] if index else self
 
     @property
     def num_decodes(self) -> int:

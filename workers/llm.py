@@ -31,7 +31,7 @@ from pagedq.workers.engine.llm_engine import EngineConfig, LLMEngine, RequestOut
 from pagedq.workers.grammar import GrammarBackend, GrammarState
 from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.loader import resolve_model
-from pagedq.workers.model.registry import build_model
+from pagedq.workers.model.registry import build_model, cache_layout
 from pagedq.workers.model.runner import LocalExecutor, ModelRunner, kv_cache_block_bytes, pick_device
 from pagedq.workers.model.weights import load_weights
 from pagedq.workers.parallel.distributed import ParallelConfig
@@ -86,7 +86,8 @@ class LLM:
                               self.cfg.max_position_embeddings, self.cfg.sliding_window or 1 << 30),
             vocab_size=self.cfg.vocab_size, eos_token_ids=frozenset(eos), block_size=s.block_size,
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-            scheduling_policy=s.scheduling_policy, enable_prefix_caching=s.enable_prefix_caching)
+            scheduling_policy=s.scheduling_policy, enable_prefix_caching=s.enable_prefix_caching,
+            kv_windows=cache_layout(self.cfg).windows)
         self.engine = LLMEngine(config, self._executor(source.name, weights))
         self._grammar_backend: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
@@ -107,8 +108,9 @@ class LLM:
             return PipelineExecutor.start(self.cfg, weights, model_name, s, self.device, self.dtype)
         attention = get_attention_backend(s.attention_backend, self.device)
         model = build_model(self.cfg, weights, device=self.device, dtype=self.dtype, attention=attention)
+        _, tensors = cache_layout(self.cfg).stage_slots(0, self.cfg.num_layers)
         num_blocks = s.num_kv_blocks or s.kv_cache_memory // kv_cache_block_bytes(
-            self.cfg, len(model.layers), s.block_size, self.dtype)
+            self.cfg, tensors, s.block_size, self.dtype)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={s.kv_cache_memory} holds fewer than 2 blocks")
         return LocalExecutor(ModelRunner(model, num_blocks, s.block_size, self.device, self.dtype))

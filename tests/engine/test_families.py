@@ -9,97 +9,30 @@ must equal transformers token for token.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    Gemma2Config,
-    Gemma3TextConfig,
-    MixtralConfig,
-    Phi3Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
+from family_models import (
+    FAMILIES,
+    MIN_IDENTICAL,
+    NEW_TOKENS,
+    NUM_PROMPTS,
+    build_hf,
+    hf_greedy,
+    prompts,
+    save,
 )
+from transformers import AutoModelForCausalLM
 
 from pagedq.config import Settings
 from pagedq.config.sampling_params import SamplingParams
+from pagedq.workers.engine.block_manager import NULL_BLOCK
 from pagedq.workers.llm import LLM
 from pagedq.workers.model import loader
 from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.loader import resolve_model
 from pagedq.workers.model.weights import INDEX_FILE
-
-NUM_PROMPTS, NEW_TOKENS, MIN_IDENTICAL = 16, 32, 15
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.15,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-@functools.lru_cache(maxsize=1)
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model(None, Settings().state_dir).path)
-
-
-def _long_rope_factors(n: int) -> dict:
-    gen = torch.Generator().manual_seed(5)
-    return {"short_factor": (1 + torch.rand(n, generator=gen)).tolist(),
-            "long_factor": (2 + 4 * torch.rand(n, generator=gen)).tolist()}
-
-
-FAMILIES = {
-    "qwen3": (Qwen3Config, dict(tie_word_embeddings=False)),
-    "qwen3-tied": (Qwen3Config, dict(tie_word_embeddings=True, num_hidden_layers=3)),
-    "qwen3-moe": (Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                                        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-                                        num_hidden_layers=3)),
-    "mixtral": (MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2)),
-    # Windows smaller than most prompts: sliding layers must drop the keys that fall out.
-    "gemma2": (Gemma2Config, dict(sliding_window=48, num_hidden_layers=4, query_pre_attn_scalar=16,
-                                  attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
-    "gemma3": (Gemma3TextConfig, dict(sliding_window=48, num_hidden_layers=3, query_pre_attn_scalar=24,
-                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                          "rope_theta": 100_000.0},
-                                                       "sliding_attention": {"rope_type": "default",
-                                                                             "rope_theta": 10_000.0}})),
-    "phi3": (Phi3Config, dict(sliding_window=96, max_position_embeddings=8192, original_max_position_embeddings=4096,
-                              rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0,
-                                               "partial_rotary_factor": 0.5, **_long_rope_factors(4)})),
-}
-
-
-def build_hf(name: str):
-    config_cls, extra = FAMILIES[name]
-    torch.manual_seed(0)
-    cfg = config_cls(**{**SMALL, "vocab_size": len(tokenizer()), **extra})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms start at 1 (or 0 for Gemma's 1 + w); spread them so they matter
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.generation_config.eos_token_id = None  # run past EOS like ignore_eos
-    return model
-
-
-def save(model, path, **kw) -> None:
-    model.save_pretrained(path, **kw)
-    tokenizer().save_pretrained(path)  # the engine loads one; the test feeds token ids
-
-
-def prompts() -> list[list[int]]:
-    lengths = torch.randint(10, 301, (NUM_PROMPTS,)).tolist()
-    vocab = len(tokenizer())
-    return [torch.randint(3, vocab, (n,)).tolist() for n in lengths]
-
-
-def hf_greedy(model, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def assert_matches_transformers(path, hf, **settings) -> None:
@@ -136,11 +69,51 @@ def test_gemma2_logprobs_follow_the_capped_logits(tmp_path):
     assert all(abs(ours[t] - want[t].item()) < 1e-4 for t in ours), (ours, want.topk(5))
 
 
-# Every family over processes (CPU, gloo) once: tensor parallel where its sharding is special (experts,
-# fused checkpoint matrices, Gemma's norms after the all-reduce), two pipeline stages for the others.
-PARALLEL = [("qwen3", dict(pipeline_stages=2)), ("qwen3-moe", dict(tensor_parallel=2)),
-            ("mixtral", dict(pipeline_stages=2)), ("gemma2", dict(tensor_parallel=2)),
-            ("gemma3", dict(pipeline_stages=2)), ("phi3", dict(tensor_parallel=2))]
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
+def test_sliding_layers_hold_only_their_window_and_prefix_hits_stay_exact(tmp_path, name):
+    """Windows (48, 96 tokens) smaller than most prompts: after every step each sliding group of each
+    sequence holds at most the blocks its window reads, global groups hold every block; a second pass
+    over the same prompts adopts cached prefixes (sliding groups' last blocks only) and matches again."""
+    hf = build_hf(name)
+    save(hf, tmp_path)
+    engine = LLM(Settings(model=str(tmp_path), kv_cache_memory="64MiB", max_num_batched_tokens=256,
+                          num_threads=1))
+    bm, window = engine.block_manager, FAMILIES[name][1]["sliding_window"]
+    assert window in bm.windows and (name == "phi3") == (None not in bm.windows)
+    held, freed = [], []
+
+    def check(_finished) -> None:
+        for seq in engine.requests.values():
+            if not seq.block_tables:  # waiting
+                continue
+            for w, table in zip(bm.windows, seq.block_tables, strict=True):
+                assert len(table) == bm.blocks_needed(seq.num_computed_tokens)
+                live = [b for b in table if b != NULL_BLOCK]
+                if w is None:
+                    assert len(live) == len(table)
+                else:
+                    held.append(len(live))
+                    freed.append(len(table) - len(live))
+                    assert len(live) <= bm.blocks_needed(window) + 1, (seq, table)
+
+    batch = prompts()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    try:
+        first = engine.generate(batch, params, on_step=check)
+        again = engine.generate(batch, params, on_step=check)
+    finally:
+        engine.shutdown()
+    assert max(freed) > 0 and max(held) <= bm.blocks_needed(window) + 1
+    assert sum(o.num_cached_tokens for o in again) > sum(len(p) for p in batch) // 2  # mostly prefix hits
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in first]
+    differ = [i for i, (p, o) in enumerate(zip(batch, first, strict=True)) if o.output_token_ids != hf_greedy(hf, p)]
+    assert NUM_PROMPTS - len(differ) >= MIN_IDENTICAL, f"prompts {differ} differ from transformers"
+
+
+# Every family over processes (CPU, gloo): two pipeline stages (each stage's KV groups and cache tensors) and
+# tensor parallel 2 (experts, fused checkpoint matrices, Gemma's norms after the all-reduce).
+PARALLEL = [(name, {mode: 2}) for name in ("qwen3", "qwen3-moe", "mixtral", "gemma2", "gemma3", "phi3")
+            for mode in ("pipeline_stages", "tensor_parallel")]
 
 
 @pytest.mark.parametrize("name, parallel", PARALLEL, ids=[f"{n}-{next(iter(p))}" for n, p in PARALLEL])

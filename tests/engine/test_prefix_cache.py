@@ -8,7 +8,7 @@ from engine_fixtures import fresh_engine, greedy, sharegpt_prompts
 
 from pagedq.config.sampling_params import SamplingParams
 from pagedq.workers.engine.block_hash import cache_key, prefix_hashes
-from pagedq.workers.engine.block_manager import BlockManager
+from pagedq.workers.engine.block_manager import NULL_BLOCK, BlockManager, PrefixHit
 from pagedq.workers.engine.sequence import Sequence
 
 SYSTEM = ("You are the support assistant of a company that runs message queues for machine learning jobs. "
@@ -84,6 +84,36 @@ def test_cached_blocks_survive_until_evicted_in_lru_order():
     assert len(bm.find_cached_prefix(Sequence("b2", list(range(50, 59)), SamplingParams()))) == 2
 
 
+def test_a_sliding_group_frees_what_its_window_passed_and_a_hit_needs_only_its_last_blocks():
+    """Groups (global, window 6) of 4-token blocks: after 25 tokens the sliding table keeps positions 20.. only;
+    a later prompt with the same 24 first tokens adopts 6 global blocks and the sliding group's last 2; with
+    the sliding group's 6th block evicted, the hit shrinks to the 5 blocks whose window is still cached."""
+    bm = BlockManager(num_blocks=32, block_size=4, extra_key="m", windows=(None, 6))
+    first = Sequence("a", list(range(1, 26)), SamplingParams())
+    assert bm.allocate(first, 25)
+    first.num_computed_tokens = 25
+    bm.cache_full_blocks(first)
+    bm.free_out_of_window(first)
+    global_table, sliding = first.block_tables
+    assert len(global_table) == len(sliding) == 7 and NULL_BLOCK not in global_table
+    assert sliding[:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in sliding[5:]  # keys >= 20 serve the query at 25
+    assert bm.num_used_blocks == 9
+    bm.free_sequence(first)
+    assert bm.num_used_blocks == 0 and len(bm.cached) == len(bm.group_cached[1]) == 6
+
+    second = Sequence("b", list(range(1, 26)) + [99], SamplingParams())
+    hit = bm.find_cached_prefix(second)
+    assert len(hit) == 6 and NULL_BLOCK not in hit.tables[0]
+    assert hit.tables[1][:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in hit.tables[1][4:]
+    assert bm.allocate(second, 2, hit) and second.num_computed_tokens == 24
+    bm.free_sequence(second)
+
+    evicted = bm.group_cached[1].pop(second.block_hashes[5])  # as eviction does
+    bm.blocks[evicted].block_hash = None
+    hit = bm.find_cached_prefix(Sequence("c", list(range(1, 26)) + [7], SamplingParams()))
+    assert len(hit) == 5 and hit.tables[1][:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in hit.tables[1][3:]
+
+
 def test_shared_blocks_are_reference_counted():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     first = Sequence("1", list(range(1, 13)), SamplingParams())
@@ -92,11 +122,11 @@ def test_shared_blocks_are_reference_counted():
     bm.cache_full_blocks(first)
     second = Sequence("2", list(range(1, 13)) + [99], SamplingParams())
     hit = bm.find_cached_prefix(second)
-    assert hit == first.block_table[:3]
+    assert hit.tables == [first.block_table[:3]]
     assert bm.allocate(second, 1, hit)
-    assert [bm.blocks[b].ref_count for b in hit] == [2, 2, 2]
+    assert [bm.blocks[b].ref_count for b in hit.tables[0]] == [2, 2, 2]
     bm.free_sequence(first)
-    assert [bm.blocks[b].ref_count for b in hit] == [1, 1, 1] and bm.num_used_blocks == 4
+    assert [bm.blocks[b].ref_count for b in hit.tables[0]] == [1, 1, 1] and bm.num_used_blocks == 4
     bm.free_sequence(second)
     assert bm.num_used_blocks == 0
 
@@ -107,7 +137,7 @@ def test_prefix_cache_off_never_shares():
     bm.allocate(s, 12)
     s.num_computed_tokens = 12
     bm.cache_full_blocks(s)
-    assert bm.find_cached_prefix(Sequence("2", list(range(1, 13)), SamplingParams())) == [] and not bm.cached
+    assert bm.find_cached_prefix(Sequence("2", list(range(1, 13)), SamplingParams())) == PrefixHit() and not bm.cached
 
 
 def test_n_choices_compute_the_prompt_once():
@@ -154,7 +184,7 @@ def test_the_cpu_side_names_a_prompts_blocks_as_the_engine_does():
         assert len(names) == (len(prompt) - 1) // block_size
         bm = BlockManager(num_blocks=64, block_size=block_size, extra_key=key)
         first = Sequence("1", prompt, SamplingParams())
-        assert bm.find_cached_prefix(first) == []
+        assert len(bm.find_cached_prefix(first)) == 0
         assert first.block_hashes == names
         assert bm.allocate(first, first.num_tokens)
         first.num_computed_tokens = first.num_tokens

@@ -23,6 +23,7 @@ Building an engine (loading a model, choosing an executor) is ``pagedq.workers.l
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -65,6 +66,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     scheduling_policy: str = "priority"
     enable_prefix_caching: bool = True
+    kv_windows: tuple[int | None, ...] = (None,)  # per KV group, its sliding window (``kv_layout.KVLayout``)
 
 
 @dataclass
@@ -88,7 +90,8 @@ class LLMEngine:
         self.config = config
         self.executor = executor
         self.block_manager = BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          extra_key=cache_key(config.model_name, config.fingerprint))
+                                          extra_key=cache_key(config.model_name, config.fingerprint),
+                                          windows=config.kv_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, config.eos_token_ids, config.max_model_len)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -126,8 +129,9 @@ class LLMEngine:
         check_context(prompt_token_ids, params.max_tokens, self.config.max_model_len, self.config.vocab_size)
         check_logit_bias(params.logit_bias, self.config.vocab_size)
         need = len(prompt_token_ids) + params.max_tokens
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if need > capacity:
+        bm, chunk = self.block_manager, self.config.max_num_batched_tokens
+        if bm.blocks_for(need, chunk) > bm.num_blocks:
+            capacity = bisect.bisect(range(need), False, key=lambda n: bm.blocks_for(n, chunk) > bm.num_blocks) - 1
             raise RequestError(f"prompt + max_tokens = {need} tokens exceed the KV cache ({capacity} tokens); "
                                "raise kv_cache_memory", "max_tokens", code="context_length_exceeded")
         if params.constraint is not None:
@@ -349,12 +353,13 @@ class LLMEngine:
             old = self.scheduler
             self.block_manager = BlockManager(executor.num_blocks, self.config.block_size,
                                               self.config.enable_prefix_caching,
-                                              extra_key=cache_key(self.config.model_name, fingerprint))
+                                              extra_key=cache_key(self.config.model_name, fingerprint),
+                                              windows=self.config.kv_windows)
             self.scheduler = Scheduler(self.block_manager, old.max_num_seqs, old.max_num_batched_tokens,
                                        old.policy, old.eos_token_ids, old.max_model_len, old.counters)
             self.scheduler.stats = old.stats
             for seq in running:  # their blocks belonged to the old pool
-                seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+                seq.block_tables, seq.block_hashes, seq.num_computed_tokens = [], [], 0
                 self.scheduler.add(seq)
 
 

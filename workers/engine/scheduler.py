@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from pagedq.config.scheduling import SchedulingMeta
 from pagedq.fleet.policy import FairQueue, VirtualTokenCounters, below_share, seat_share
-from pagedq.workers.engine.block_manager import BlockManager
+from pagedq.workers.engine.block_manager import BlockManager, PrefixHit
 from pagedq.workers.engine.executor import StepResult
 from pagedq.workers.engine.sequence import Sequence, SequenceStatus
 
@@ -308,7 +308,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Give a waiting sequence its cached prefix and room for its next chunk: the chunk's size, or None."""
         # A prompt to score is computed whole: a cached block holds K/V, not the logits of its positions.
-        cached = [] if seq.scores_prompt else self.bm.find_cached_prefix(seq)
+        cached = PrefixHit() if seq.scores_prompt else self.bm.find_cached_prefix(seq)
         n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
         return n if self.bm.allocate(seq, n, cached) else None
 
@@ -371,6 +371,7 @@ class Scheduler:
             st.prompt_tokens_computed += _prompt_part(seq, n)  # its tenant was charged when it was planned
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
+            self.bm.free_out_of_window(seq)
         if result.sampled.prompt_logprobs:
             by_id = {seq.request_id: seq for seq, _ in result.sched.scheduled}
             for request_id, position, entries in result.sampled.prompt_logprobs:

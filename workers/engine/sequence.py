@@ -40,7 +40,7 @@ class Sequence:
         self.arrival = next(_arrivals)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = []  # per KV group (``kv_layout.py``); set at the first allocation
         self.block_hashes: list[bytes] = []  # hash chain of this sequence's full blocks (prefix cache)
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
@@ -56,6 +56,11 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's blocks: a model without sliding windows has only that group."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels import AttentionMetadata
+from pagedq.workers.engine.kv_layout import KVLayout, kv_layout
 from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.layers import Matmul, Rotary, Shard, rms_norm
 
@@ -43,6 +44,7 @@ class DecoderModel:
             self.lm_head = self.embed if tied else self.w("lm_head.weight")
         self.rotary = self.make_rotary()
         self.layers = [self.load_layer(i) for i in range(self.first, self.last)]
+        self.kv_groups = self.cache_layout(cfg).layer_group[self.first:self.last]  # each layer's KV group
         self.matmul = Matmul()
         del self._weights
 
@@ -62,6 +64,16 @@ class DecoderModel:
     def load_layer(self, i: int):
         raise NotImplementedError
 
+    @classmethod
+    def layer_window(cls, cfg: ModelConfig, i: int) -> int | None:
+        """Layer ``i``'s sliding window (it attends to the last ``window`` positions), or None: global."""
+        return None
+
+    @classmethod
+    def cache_layout(cls, cfg: ModelConfig) -> KVLayout:
+        """The KV groups of this model's layers (``kv_layout.py``): one unless some layers slide."""
+        return kv_layout([cls.layer_window(cfg, i) for i in range(cfg.num_layers)])
+
     # --- running ------------------------------------------------------------------------------------------------
     def layer_forward(self, layer, hidden: torch.Tensor, ropes: dict, meta: AttentionMetadata,
                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -74,8 +86,8 @@ class DecoderModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run this stage's layers over ``hidden [num_tokens, hidden_size]``."""
         ropes = {name: rotary.lookup(positions) for name, rotary in self.rotary.items()}
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = self.layer_forward(layer, hidden, ropes, meta, k_cache, v_cache)
+        for layer, (k_cache, v_cache), group in zip(self.layers, kv_caches, self.kv_groups, strict=True):
+            hidden = self.layer_forward(layer, hidden, ropes, meta.group(group), k_cache, v_cache)
         return hidden
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:

@@ -37,18 +37,23 @@ class Gemma2ForCausalLM(DecoderModel):
         super().__init__(cfg, weights, *args, **kwargs)
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=self.dtype, device=self.device)
 
-    def layer_type(self, i: int) -> str:
-        types = self.cfg.get("layer_types")
+    @classmethod
+    def layer_type(cls, cfg, i: int) -> str:
+        types = cfg.get("layer_types")
         if types:
             return types[i]
-        pattern = self.cfg.get("sliding_window_pattern", self.sliding_pattern)
+        pattern = cfg.get("sliding_window_pattern", cls.sliding_pattern)
         return "sliding_attention" if (i + 1) % pattern else "full_attention"
 
+    @classmethod
+    def layer_window(cls, cfg, i: int) -> int | None:
+        return cfg.get("sliding_window") if cls.layer_type(cfg, i) == "sliding_attention" else None
+
     def attention_options(self, i: int) -> dict:
-        cfg, kind = self.cfg, self.layer_type(i)
+        cfg = self.cfg
         return {"scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
                 "softcap": self.softcap("attn_logit_softcapping", self.softcaps[0]),
-                "window": cfg.get("sliding_window") if kind == "sliding_attention" else None}
+                "window": self.layer_window(cfg, i)}
 
     def load_layer(self, i: int) -> GemmaLayer:
         p, cfg = f"model.layers.{i}.", self.cfg

@@ -29,4 +29,4 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return tables
 
     def attention_options(self, i: int) -> dict:
-        return {**super().attention_options(i), "rope": self.layer_type(i)}
+        return {**super().attention_options(i), "rope": self.layer_type(self.cfg, i)}

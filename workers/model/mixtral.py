@@ -7,8 +7,12 @@ from pagedq.workers.model.llama import LlamaForCausalLM
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def layer_window(cls, cfg, i: int) -> int | None:
+        return cfg.get("sliding_window")
+
     def attention_options(self, i: int) -> dict:
-        return {"window": self.cfg.get("sliding_window")}
+        return {"window": self.layer_window(self.cfg, i)}
 
     def load_mlp(self, prefix: str, i: int):
         cfg = self.cfg

@@ -8,8 +8,12 @@ from pagedq.workers.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def layer_window(cls, cfg, i: int) -> int | None:
+        return cfg.get("sliding_window")
+
     def attention_options(self, i: int) -> dict:
-        return {"fused_qkv": True, "window": self.cfg.get("sliding_window")}
+        return {"fused_qkv": True, "window": self.layer_window(self.cfg, i)}
 
     def load_mlp(self, prefix: str, i: int):
         return load_mlp(self.w, prefix + "mlp.", slice(*self.shard.mlp), self.cfg.get("hidden_act", "silu"),

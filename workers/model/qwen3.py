@@ -6,5 +6,9 @@ from pagedq.workers.model.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def layer_window(cls, cfg, i: int) -> int | None:
+        return cfg.layer_window(i)
+
     def attention_options(self, i: int) -> dict:
-        return {"qk_norm": True, "window": self.cfg.layer_window(i)}
+        return {"qk_norm": True, "window": self.layer_window(self.cfg, i)}

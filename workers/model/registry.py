@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the registry itself imports no torch: the CPU worker checks names with it
     import torch
 
+    from pagedq.workers.engine.kv_layout import KVLayout
     from pagedq.workers.model.config import ModelConfig
     from pagedq.workers.model.decoder import DecoderModel
 
@@ -48,6 +49,11 @@ def model_class(architecture: str) -> type[DecoderModel]:
         raise UnsupportedArchitectureError(unsupported_message([architecture]))
     module, cls = MODELS[architecture]
     return getattr(importlib.import_module(f"pagedq.workers.model.{module}"), cls)
+
+
+def cache_layout(cfg: ModelConfig) -> KVLayout:
+    """The KV groups of ``cfg``'s layers (which slide, which attend globally): ``kv_layout.py``."""
+    return model_class(cfg.architecture).cache_layout(cfg)
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], layer_range: tuple[int, int] | None = None,

@@ -62,13 +62,30 @@ class StepInputs:
         return self.input_ids.numel()
 
 
-_HEADER = 7  # num_tokens, num_decodes, decode table width, num_prefills, prefill table width, num_sampled, spare
+_HEADER = 7  # num_tokens, num_decodes, decode table width, num_prefills, prefill table width, num_sampled, KV groups - 1
 
 
 def step_order(sched: SchedulerOutput) -> list[tuple[Sequence, int]]:
     """The scheduled (sequence, tokens) in the order of the step's rows (``pack_step``)."""
     by_context = sorted(sched.scheduled, key=lambda x: x[0].num_computed_tokens + x[1])
     return [(s, n) for s, n in by_context if n == 1] + [(s, n) for s, n in by_context if n > 1]
+
+
+def _group_part(rows: list[tuple[Sequence, int]], group: int, bs: int, widths: tuple[int, int],
+                num_decodes: int) -> list[int]:
+    """One KV group's cache slots for the step's new tokens, then its decode and prefill block tables (padded)."""
+    slots: list[int] = []
+    for seq, n in rows:
+        table, start = seq.block_tables[group], seq.num_computed_tokens
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+    flat: list[int] = []
+    for i, (seq, _) in enumerate(rows):
+        table = seq.block_tables[group]
+        if table and table[0] < 0:  # a sliding group's freed head (NULL_BLOCK): any block will do, masked out
+            table = [max(b, 0) for b in table]
+        flat += table
+        flat += [0] * (widths[i >= num_decodes] - len(table))
+    return slots + flat
 
 
 def pack_step(sched: SchedulerOutput, block_size: int) -> tuple[list[int], list[Sequence]]:
@@ -80,53 +97,53 @@ def pack_step(sched: SchedulerOutput, block_size: int) -> tuple[list[int], list[
     ordered = step_order(sched)
     decodes = [(s, n) for s, n in ordered if n == 1]
     prefills = [(s, n) for s, n in ordered if n > 1]
-    bs = block_size
+    rows = decodes + prefills
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
-    for seq, n in decodes + prefills:
+    for seq, n in rows:
         start = seq.num_computed_tokens
         input_ids.extend(seq.token_ids[start:start + n])
         positions.extend(range(start, start + n))
-        table = seq.block_table
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         if start + n == seq.num_tokens:  # every known token computed: next token is due
             sample_rows.append(len(input_ids) - 1)
             sample_seqs.append(seq)
-
-    def tables(group: list[tuple[Sequence, int]]) -> tuple[int, list[int]]:
-        width = max((len(s.block_table) for s, _ in group), default=0)
-        flat: list[int] = []
-        for s, _ in group:
-            flat += s.block_table
-            flat += [0] * (width - len(s.block_table))
-        return width, flat
-
-    dec_width, dec_tables = tables(decodes)
-    pre_width, pre_tables = tables(prefills)
+    widths = (max((len(s.block_table) for s, _ in decodes), default=0),
+              max((len(s.block_table) for s, _ in prefills), default=0))
+    num_groups = len(rows[0][0].block_tables) if rows else 1
+    groups = [_group_part(rows, g, block_size, widths, len(decodes)) for g in range(num_groups)]
+    n, nd = len(input_ids), len(decodes)
+    slots, dec_tables, pre_tables = groups[0][:n], groups[0][n:n + nd * widths[0]], groups[0][n + nd * widths[0]:]
     cu_q = [0]
-    for _, n in prefills:
-        cu_q.append(cu_q[-1] + n)
-    header = [len(input_ids), len(decodes), dec_width, len(prefills), pre_width, len(sample_rows), 0]
+    for _, k in prefills:
+        cu_q.append(cu_q[-1] + k)
+    header = [n, nd, widths[0], len(prefills), widths[1], len(sample_rows), num_groups - 1]
     packed = (header + input_ids + positions + slots + dec_tables
-              + [s.num_computed_tokens + n for s, n in decodes] + cu_q
-              + [s.num_computed_tokens + n for s, n in prefills] + pre_tables + sample_rows)
+              + [s.num_computed_tokens + k for s, k in decodes] + cu_q
+              + [s.num_computed_tokens + k for s, k in prefills] + pre_tables + sample_rows)
+    for part in groups[1:]:
+        packed += part
     return packed, sample_seqs
 
 
 def unpack_step(packed: torch.Tensor, sample_seqs: list[Sequence] | None = None,
                 header: list[int] | None = None) -> StepInputs:
     """Views into ``packed`` (on the device the model runs on) as the model's inputs."""
-    n, nd, dw, npf, pw, ns, _ = header or packed[:_HEADER].tolist()
-    sizes = [n, n, n, nd * dw, nd, npf + 1, npf, npf * pw, ns]
-    ids, positions, slots, dec_tables, dec_lens, cu_q, pre_lens, pre_tables, rows = packed[_HEADER:].split(sizes)
-    meta = AttentionMetadata(
-        slot_mapping=slots, num_decode_tokens=nd, decode_block_tables=dec_tables.view(nd, dw),
-        decode_context_lens=dec_lens, prefill_cu_seqlens_q=cu_q, prefill_context_lens=pre_lens,
-        prefill_block_tables=pre_tables.view(npf, pw))
-    return StepInputs(ids, positions, meta, rows, sample_seqs or [], packed)
+    n, nd, dw, npf, pw, ns, extra = header or packed[:_HEADER].tolist()
+    sizes = [n, n, n, nd * dw, nd, npf + 1, npf, npf * pw, ns] + [n, nd * dw, npf * pw] * extra
+    ids, positions, slots, dec_tables, dec_lens, cu_q, pre_lens, pre_tables, rows, *rest = (
+        packed[_HEADER:].split(sizes))
+
+    def meta(slots: torch.Tensor, dec_tables: torch.Tensor, pre_tables: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slots, num_decode_tokens=nd, decode_block_tables=dec_tables.view(nd, dw),
+            decode_context_lens=dec_lens, prefill_cu_seqlens_q=cu_q, prefill_context_lens=pre_lens,
+            prefill_block_tables=pre_tables.view(npf, pw))
+
+    first = meta(slots, dec_tables, pre_tables)
+    first.groups = [meta(*rest[i:i + 3]) for i in range(0, len(rest), 3)]
+    return StepInputs(ids, positions, first, rows, sample_seqs or [], packed)
 
 
 class ModelRunner:
@@ -143,8 +160,10 @@ class ModelRunner:
         shape = (num_blocks, block_size, model.num_kv_heads, model.cfg.head_dim)
         # Zeroed, not empty: attention masks the unused slots of a gathered block, but a NaN left
         # there by recycled memory still poisons the output (0 * NaN).
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in model.layers]
+        slots, num_slots = model.cache_layout(model.cfg).stage_slots(model.first, model.last)
+        tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(num_slots)]
+        self.kv_caches = [tensors[slot] for slot in slots]  # per layer; layers of different KV groups share one
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         packed, sample_seqs = pack_step(sched, self.block_size)

@@ -27,7 +27,7 @@ from pagedq.workers.engine.scheduler import SchedulerOutput
 from pagedq.workers.engine.sequence import Sequence
 from pagedq.workers.model.config import ModelConfig
 from pagedq.workers.model.layers import Shard
-from pagedq.workers.model.registry import build_model
+from pagedq.workers.model.registry import build_model, cache_layout
 from pagedq.workers.model.runner import ModelRunner, kv_cache_block_bytes
 from pagedq.workers.parallel.distributed import (
     BusyLog,
@@ -54,7 +54,8 @@ def plan_kv_blocks(cfg: ModelConfig, settings: Settings, parallel: ParallelConfi
     """KV blocks every process can hold in ``kv_cache_memory`` (the busiest process decides)."""
     if settings.num_kv_blocks:
         return settings.num_kv_blocks
-    layers = max(b - a for a, b in ranges)
+    layout = cache_layout(cfg)
+    layers = max(layout.stage_slots(a, b)[1] for a, b in ranges)  # cache tensors of the busiest stage
     heads = max(Shard.of(cfg, t, parallel.tensor_parallel).num_kv_heads for t in range(parallel.tensor_parallel))
     return settings.kv_cache_memory // kv_cache_block_bytes(cfg, layers, settings.block_size, dtype, heads)
 
