@@ -74,6 +74,7 @@ class Gateway:
         self.keyring = keyring
         self.url = broker_url or find_broker_url(settings)
         self.client = Client(settings, self.url)
+        self.client.reads_local_folders = False  # tenants name models, not this host's folders
         if keyring is not None:  # the keys file's weights are what this gateway writes for its tenants
             self.client.weights.update({t.name: t.weight for t in keyring.tenants()})
         self.settings, self.names, self.r = self.client.settings, self.client.names, self.client.r

@@ -3,12 +3,18 @@ tokens equal to transformers' own ``generate``.
 
 One module-scoped stack (real redis-server, one CPU worker, one GPU worker process per model) serving two
 small random models built here by transformers (``tests/family_models.py``): Gemma 3, whose
-sliding layers keep their own KV blocks beside the global ones, and Qwen3-MoE (experts).  Prompts are 16
+sliding layers keep their own KV blocks beside the global ones, and Qwen3-MoE (experts); and a folder of an
+architecture pagedq does not serve, refused by the worker and by a request in one line.  Prompts are 16
 random token-id lists of 10-300 tokens; the answers' per-token strings (``logprobs``) are compared with the
 strings of transformers' greedy tokens.  Prefixes ``fam:`` / ``fam.``.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 from family_models import (
@@ -23,6 +29,7 @@ from family_models import (
 )
 
 from pagedq.config import Settings
+from pagedq.config.messages import RequestError
 from pagedq.pipeline.local.stack import Stack
 
 TIMEOUT = 300
@@ -69,3 +76,28 @@ def test_greedy_through_the_queue_matches_transformers(client, models, name):
         if ours != want:
             differ.append(i)
     assert NUM_PROMPTS - len(differ) >= MIN_IDENTICAL, f"{name}: prompts {differ} differ from transformers"
+
+
+def test_an_unknown_architecture_is_refused_in_one_line_by_a_request_and_by_the_worker(settings, stack, client,
+                                                                                      tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 50257}))
+
+    def keys() -> set[bytes]:
+        return {*client.r.scan_iter(f"{settings.key_prefix}*"), *client.r.scan_iter(f"{settings.queue_prefix}*")}
+
+    before = keys()
+    with pytest.raises(RequestError) as err:
+        client.submit(prompt="Hello", model=str(folder), max_tokens=4)
+    message = str(err.value)
+    assert "GPT2LMHeadModel" in message and "Qwen3MoeForCausalLM" in message and "\n" not in message
+    assert keys() == before  # nothing enqueued, no job record
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}, "PAGEDQ_BROKER_URL": stack.url,
+           "PAGEDQ_KEY_PREFIX": settings.key_prefix, "PAGEDQ_QUEUE_PREFIX": settings.queue_prefix}
+    done = subprocess.run([sys.executable, "-m", "pagedq.pipeline.cli", "worker", "--model", str(folder)], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, (done.returncode, lines)
+    assert "GPT2LMHeadModel" in lines[0] and "Gemma3ForCausalLM" in lines[0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedq.config import DEFAULT_MODEL
-from pagedq.workers.model.registry import SUPPORTED_ARCHITECTURES, unsupported_message
+from pagedq.config.architectures import SUPPORTED_ARCHITECTURES, unsupported_message
 
 log = logging.getLogger(__name__)
 
