@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jinja2 import TemplateError
+
 from pagedq.pipeline.protocol import AnyRequest, ChatCompletionRequest, ChatMessage
 from pagedq.pipeline.tools import call_block, template_renders_tools, tools_system_prompt
 
@@ -52,13 +54,31 @@ def chat_messages(req: ChatCompletionRequest, template: str | None) -> list[dict
     return messages
 
 
+def fold_system(messages: list[dict]) -> list[dict]:
+    """For templates without a system role (Gemma 2's raises on one): the system text opens the first user
+    message, after which a blank line, as Gemma 3's own template does with it."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    first_user = next((m for m in rest if m["role"] == "user"), None)
+    if first_user is None:
+        rest.insert(0, first_user := {"role": "user", "content": ""})
+    first_user["content"] = "\n\n".join([*system, first_user["content"]] if first_user["content"] else system)
+    return rest
+
+
 def render_prompt(tokenizer, req: AnyRequest) -> list[int]:
     if isinstance(req, ChatCompletionRequest):
         messages = chat_messages(req, tokenizer.chat_template)
         tools = None
         if req.tool_parsing and template_renders_tools(tokenizer.chat_template):
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        except TemplateError:
+            if not any(m["role"] == "system" for m in messages):
+                raise
+            text = tokenizer.apply_chat_template(fold_system(messages), tools=tools, tokenize=False,
+                                                 add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if isinstance(req.prompt, list):
         return list(req.prompt)
