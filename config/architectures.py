@@ -42,3 +42,12 @@ def folder_architectures(name: str) -> set[str] | None:
         return set(json.loads(config.read_text()).get("architectures") or [])
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def refusal(folder: str | Path, name: str | None = None) -> str | None:
+    """The one-line refusal of the local folder ``folder`` (called ``name``) when its architecture is not served;
+    None when it is, or when ``folder`` is no folder with a config.json."""
+    architectures = folder_architectures(str(folder))
+    if architectures is None or architectures & SUPPORTED_ARCHITECTURES:
+        return None
+    return unsupported_message(architectures, name)

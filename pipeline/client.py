@@ -30,7 +30,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from pagedq.config import Settings, get_settings
-from pagedq.config.architectures import SUPPORTED_ARCHITECTURES, folder_architectures, unsupported_message
+from pagedq.config.architectures import refusal
 from pagedq.config.celery_app import BufferedSentEvents, make_celery, send_preprocess
 from pagedq.config.messages import (
     PreprocessJob,
@@ -311,10 +311,9 @@ class Client:
         name = canonical_name(self.settings, model or default_model(self.settings))
         info = self._models.lookup(name)
         if info is None and name != default_model(self.settings):
-            architectures = folder_architectures(name) if self.reads_local_folders else None
-            if architectures is not None and not architectures & SUPPORTED_ARCHITECTURES:
-                raise RequestError(f"model: {unsupported_message(architectures, name)}", "model",
-                                   code="model_not_found")
+            refused = refusal(name, name) if self.reads_local_folders else None
+            if refused is not None:
+                raise RequestError(f"model: {refused}", "model", code="model_not_found")
             raise RequestError(f"model: unknown model {name!r}; served: {self._models.served()}", "model",
                                code="model_not_found")
         return (name if info is None else info.name), info  # an alias is the model's own name from here on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -47,12 +48,18 @@ def test_a_system_message_opens_the_first_user_turn_when_the_template_has_no_sys
     assert tok.convert_ids_to_tokens(ids) == want + ["<start_of_turn>", "model"]
 
 
-def test_fold_system_without_a_user_message_makes_one_and_leaves_the_input_alone():
+def test_fold_system_without_a_user_message_makes_one():
     messages = [{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
                 {"role": "assistant", "content": "c"}]
-    folded = fold_system(messages)
-    assert folded == [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}]
-    assert messages[0] == {"role": "system", "content": "a"}  # a copy was changed, not the request's messages
+    assert fold_system(messages) == [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}]
+
+
+def test_fold_system_leaves_the_request_messages_alone():
+    system, user = words(4), words(6)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    before = copy.deepcopy(messages)
+    assert fold_system(messages) == [{"role": "user", "content": f"{system}\n\n{user}"}]
+    assert messages == before  # the user turn that opens with the system text is a copy
 
 
 def test_a_template_error_without_a_system_message_is_not_hidden():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedq.config import DEFAULT_MODEL
-from pagedq.config.architectures import SUPPORTED_ARCHITECTURES, unsupported_message
+from pagedq.config.architectures import refusal
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +80,8 @@ def _packaged_name(gguf: Path) -> str | None:
 
 
 def _check_architecture(name: str, folder: Path) -> None:
-    architectures = set(json.loads((folder / "config.json").read_text()).get("architectures") or [])
-    if not architectures & SUPPORTED_ARCHITECTURES:
-        raise ModelNotFoundError(unsupported_message(architectures, name))
+    if (refused := refusal(folder, name)) is not None:
+        raise ModelNotFoundError(refused)
 
 
 def resolve_model(name: str | None, state_dir: Path) -> ModelSource:
