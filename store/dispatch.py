@@ -307,11 +307,21 @@ end
 return false
 """
 
-# KEYS: the slot, fair index. ARGV: slot name, job-key prefix, fair-message prefix.  The bound job goes back
-# to its place in its band (same member: its deadline, arrival and push order), its claim charge refunded.
-_RELEASE = _LIB + """
+# Shared: a caller fenced at epoch ``fence`` ('' or nil: no fence) whose job was taken since by another worker
+# (``store/jobs.py``: fencing) touches nothing of the slot: the slot, rebound by a restored token, is theirs now.
+_FENCE = """
+local function taken_since(job, fence)
+  return fence ~= nil and fence ~= '' and tonumber(redis.call('HGET', job, 'epoch') or '0') ~= tonumber(fence)
+end
+"""
+
+# KEYS: the slot, fair index. ARGV: slot name, job-key prefix, fair-message prefix, the fence (optional).  The
+# bound job goes back to its place in its band (same member: its deadline, arrival and push order), its claim
+# charge refunded.
+_RELEASE = _LIB + _FENCE + """
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
+if taken_since(ARGV[2] .. id, ARGV[4]) then return false end
 redis.call('DEL', KEYS[1])
 local job = ARGV[2] .. id
 if redis.call('HGET', job, 'slot') == ARGV[1] then redis.call('HDEL', job, 'slot') end
@@ -337,8 +347,10 @@ return id
 
 # KEYS: the slot, fair index, the model's counters, tenant weights. ARGV: slot name, job-key prefix,
 # fair-message prefix, the job expected ('' = any), its tenant, output tokens to give back (refunded whatever the
-# slot holds).  The job ended.  A slot bound to another job meanwhile is left alone.
-_UNBIND = _LIB + """
+# slot holds), the fence ('' = none).  The job ended.  A slot bound to another job meanwhile is left alone; a
+# fenced caller whose job was taken since gives back nothing (the restore that took it refunded its charge).
+_UNBIND = _LIB + _FENCE + """
+if ARGV[4] ~= '' and taken_since(ARGV[2] .. ARGV[4], ARGV[7]) then return false end
 if tonumber(ARGV[6]) > 0 then give_back(KEYS[3], KEYS[4], ARGV[5], tonumber(ARGV[6])) end
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
@@ -400,6 +412,10 @@ def _scheduling(job: GenerateJob) -> tuple[str, int, float | None, float]:
     meta = job.meta
     return (meta.tenant or DEFAULT_TENANT, min(max(int(job.priority), 0), 9), meta.deadline,
             float(meta.arrival or 0.0))
+
+
+def _fence_arg(fence: int | None) -> str:
+    return "" if fence is None else str(int(fence))
 
 
 def arrival_key(arrival: float) -> str:
@@ -484,22 +500,27 @@ class FairDispatch:
         """The job id ``slot`` is bound to, or None."""
         return self.r.get(self.names.slot(slot))
 
-    def release(self, slot: str) -> str | None:
+    def release(self, slot: str, fence: int | None = None) -> str | None:
         """The job bound to ``slot`` goes back to its place in its fair queue (state queued if it was
         in_progress; attempts untouched: call ``JobStore.requeue`` first to decide those), unbound, its claim
         charge refunded; a job that ended meanwhile is forgotten instead.  Returns its id, None if the slot was
-        free (so a second release is a no-op)."""
+        free (so a second release is a no-op).  ``fence``: the epoch the caller's worker took the job at; if
+        another worker took it since, nothing changes and None is returned."""
         n = self.names
-        return self._release(keys=[n.slot(slot), n.fair_index], args=[slot, self._job_prefix, self._message_prefix])
+        return self._release(keys=[n.slot(slot), n.fair_index],
+                             args=[slot, self._job_prefix, self._message_prefix, _fence_arg(fence)])
 
     def unbind(self, slot: str, job_id: str | None = None, model: str = "", tenant: str = "",
-               refund: int = 0) -> None:
+               refund: int = 0, fence: int | None = None) -> None:
         """The job bound to ``slot`` ended: forget the binding, its index entry and its message.  With ``job_id``,
         only if the slot is still bound to that job (a slot rebound to another job keeps it).  With ``refund`` >
-        0, in the same call: ``refund(model, tenant, refund)``."""
+        0, in the same call: ``refund(model, tenant, refund)``.  With ``job_id`` and ``fence`` (the epoch the
+        caller's worker took it at): nothing at all if another worker took the job since; a worker that froze
+        past its lease and woke must not unbind the slot its restored token has bound again elsewhere."""
         n = self.names
         self._unbind(keys=[n.slot(slot), n.fair_index, n.vtc(model), n.tenant_weights],
-                     args=[slot, self._job_prefix, self._message_prefix, job_id or "", tenant, max(int(refund), 0)])
+                     args=[slot, self._job_prefix, self._message_prefix, job_id or "", tenant, max(int(refund), 0),
+                           _fence_arg(fence)])
 
     def remove(self, job_id: str) -> bool:
         """Take a waiting job out of its fair queue (with its message); False if it was not waiting."""

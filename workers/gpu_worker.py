@@ -401,20 +401,21 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             return conclude(task.app, handle, store, names)
         if handle.requeue:  # drain or replica loss: the job back in its fair queue, the token back on its queue
             store.requeue(job.job_id, count_attempt=handle.lost, fence=handle.epoch)
-            d.fair.release(slot)
+            d.fair.release(slot, fence=handle.epoch)
             raise Reject("worker shutting down", requeue=True)
         generated = handle.generated_tokens
         fingerprint = weights if service.engine.fingerprint == weights else ""
         try:
             summary = through_outage(lambda: conclude(task.app, handle, store, names, fingerprint), f"job {job.job_id}")
         finally:
-            end_bound(job, slot, generated)
+            end_bound(job, slot, generated, handle.epoch)
         return {**summary, "slot": slot}
 
-    def end_bound(job: GenerateJob, slot: str, generated: int) -> None:
-        """The job ended (or was sent to postprocess): forget its binding, give back the output it did not use."""
+    def end_bound(job: GenerateJob, slot: str, generated: int, fence: int | None = None) -> None:
+        """The job ended (or was sent to postprocess): forget its binding, give back the output it did not use.
+        Fenced: a worker the job was taken from since (it froze past its lease) leaves the slot to the new one."""
         tenant = getattr(getattr(job, "meta", None), "tenant", None) or "default"
-        d.fair.unbind(slot, job.job_id, job.model, tenant, max(job.params.max_output_tokens - generated, 0))
+        d.fair.unbind(slot, job.job_id, job.model, tenant, max(job.params.max_output_tokens - generated, 0), fence)
 
     return dispatch
 

@@ -282,6 +282,31 @@ def test_unbind_with_a_refund_gives_back_the_output_in_the_same_call(redis, name
     assert dispatch.counters(MODEL)["heavy"] == after - unused / 4.0
 
 
+def test_a_fenced_worker_leaves_the_slot_its_restored_token_bound_again(redis, names, dispatch):
+    """A worker froze past its lease: its token was restored (the job released, same slot name) and another worker
+    took the job again under that slot (the epoch moved on).  The woken worker's unbind and release, fenced at its
+    old epoch, change nothing: not the binding, not the index entry, not the counters."""
+    job = _job(SchedulingMeta("a", 5, None, 1.0))
+    _create_records(redis, names, [job], state="in_progress")
+    dispatch.push(job)
+    old_epoch = random.randint(1, 50)
+    redis.hset(names.job(job.job_id), "epoch", old_epoch)
+    assert dispatch.claim(MODEL, "frozen", "s1").job_id == job.job_id
+    assert dispatch.release("s1") == job.job_id  # the restore: no fence
+    assert dispatch.claim(MODEL, "other", "s1").job_id == job.job_id
+    redis.hset(names.job(job.job_id), "epoch", old_epoch + 1)  # the other worker's admit
+    entry, counters = redis.hget(names.fair_index, job.job_id), dispatch.counters(MODEL)
+    dispatch.unbind("s1", job.job_id, MODEL, "a", random.randint(1, 20), fence=old_epoch)
+    assert dispatch.release("s1", fence=old_epoch) is None
+    assert dispatch.bound_job("s1") == job.job_id
+    assert redis.hget(names.fair_index, job.job_id) == entry
+    assert redis.exists(names.fair_message(job.job_id)) == 1
+    assert dispatch.counters(MODEL) == counters
+    # The holder's own fence unbinds.
+    dispatch.unbind("s1", job.job_id, MODEL, "a", 0, fence=old_epoch + 1)
+    assert dispatch.bound_job("s1") is None and redis.hget(names.fair_index, job.job_id) is None
+
+
 def test_two_concurrent_claimers_never_share_a_job(redis_url, names):
     from pagedq.store.connection import redis_client
 

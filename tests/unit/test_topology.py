@@ -26,6 +26,10 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+def aof_bytes(data_dir: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in data_dir.glob("appendonly*") if p.is_file())
+
+
 @pytest.fixture
 def topology(tmp_path):
     """Started and healthy: the replica synced, each sentinel seeing it and the two others.  A short down-after,
@@ -103,9 +107,11 @@ def test_kill_9_of_the_master_promotes_the_replica_and_the_old_master_returns_as
     script = "redis.replicate_commands(); redis.set_repl(redis.REPL_AOF); return redis.call('SET', KEYS[1], '1')"
     redis.Redis.from_url(old.url).eval(script, 1, only_old)
     assert redis.Redis.from_url(new.url).get(only_old) is None
+    # appendfsync everysec may hold the write back while an earlier fsync runs (up to 2 s): wait for it in the file.
+    wait_until(lambda: only_old.encode() in aof_bytes(old.data_dir), 5, interval=0.1, what="the key in the old AOF")
     os.kill(old.proc.pid, signal.SIGKILL)
     old.proc.wait(5)
-    assert only_old.encode() in b"".join(p.read_bytes() for p in old.data_dir.glob("appendonly*") if p.is_file())
+    assert only_old.encode() in aof_bytes(old.data_dir)
 
     wait_until(lambda: writes(r, "after", "2"), 20, interval=0.2, what="a write through the sentinels")
     assert role(new)[0] == "master"
