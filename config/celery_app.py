@@ -222,20 +222,25 @@ class DispatchToken:
     model: str
     slot: str
     priority: int
+    tenant: str | None = None  # the tenant of the job it was sent for (None: a spare, or an older sender's)
 
     def describe(self) -> str:
         return f"model={self.model} priority={self.priority} slot={self.slot} (binds a job when it runs)"
 
 
 def send_dispatch_token(app: Celery, model: str, priority: int, slot: str | None = None,
-                        queue: str | None = None, event_dispatcher=None) -> DispatchToken:
+                        queue: str | None = None, event_dispatcher=None, tenant: str | None = None) -> DispatchToken:
     """Send one token for a job of ``model`` pushed into its fair queue: the preprocess's send, the lost-job
     sweep's top-up, and a worker with no free seat handing an unbound token on (with a fresh slot: a kill between
     that send and the old token's ack must not leave two tokens sharing one slot).  ``queue``: instead of the
     model's queue (placement's nudge to one worker, ``Names.worker_queue``).  ``event_dispatcher``: where its
-    ``task-sent`` event goes (as for ``send_preprocess``)."""
-    token = DispatchToken(model, slot or uuid.uuid4().hex, priority)
-    app.send_task(DISPATCH_TASK, args=[{"model": model, "slot": token.slot, "priority": priority}],
+    ``task-sent`` event goes (as for ``send_preprocess``).  ``tenant``: of the job it is sent for (a full worker
+    uses it to skip a claim beyond its seats that job could not win)."""
+    token = DispatchToken(model, slot or uuid.uuid4().hex, priority, tenant)
+    body = {"model": model, "slot": token.slot, "priority": priority}
+    if tenant is not None:
+        body["tenant"] = tenant
+    app.send_task(DISPATCH_TASK, args=[body],
                   priority=broker_priority(priority), argsrepr=token.describe(), kwargsrepr="{}",
                   event_dispatcher=event_dispatcher, **({"queue": queue} if queue else {}))
     return token

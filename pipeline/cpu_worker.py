@@ -51,7 +51,7 @@ from pagedq.config.names import (
     JobState,
     Names,
 )
-from pagedq.config.scheduling import SchedulingMeta
+from pagedq.config.scheduling import DEFAULT_TENANT, SchedulingMeta
 from pagedq.config.served import default_model, local_model
 from pagedq.pipeline.postprocess import build_response, cache_answer
 from pagedq.pipeline.preprocess import render_prompt
@@ -193,7 +193,8 @@ def register_cpu_tasks(app: Celery, settings: Settings, r, store: JobStore, name
         # The job waits in its model's fair queue; a token runs the next one in line.  Pushed before the token,
         # and before this message is acknowledged: never a token too few.
         fair.push(job, prompt_blocks(job, info))
-        send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events())
+        send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events(),
+                            tenant=job.meta.tenant or DEFAULT_TENANT)
         return {"job_id": msg.job_id, "prompt_tokens": len(job.prompt_token_ids)}
 
     @app.task(name=POSTPROCESS_TASK, bind=True, throws=(JobNotCompleted,))

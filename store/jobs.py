@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 # ``restored_from``): then this is a second copy, not a restart.  A holder is alive while its record
 # (names.worker) was refreshed within the last half of its TTL (``ttl_s``, written by its heartbeat): a dead
 # worker's record goes stale before its leases can run out.
-# Taking returns 'ok:<epoch>'.  The epoch goes up unless the taker is the holder and the job is still its own
+# Taking returns 'ok:<epoch>:<attempts>:<created_at>' (the last two for the worker's metrics).  The epoch goes up unless the taker is the holder and the job is still its own
 # (in_progress, or restored from it): that copy is a duplicate of the run the worker still has, which ends the
 # job under the epoch it holds.  A restarted worker has a new name, so it is another holder.
 _ADMIT = """
@@ -82,7 +82,8 @@ if ARGV[2] == '1' then
   if not started then redis.call('HSET', KEYS[1], 'started_at', ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'in_progress', 'worker', ARGV[3])
   redis.call('HDEL', KEYS[1], 'restored_from')
-  return 'ok:' .. epoch
+  local attempts = redis.call('HGET', KEYS[1], 'attempts') or '0'
+  return 'ok:' .. epoch .. ':' .. attempts .. ':' .. (redis.call('HGET', KEYS[1], 'created_at') or '')
 end
 return 'ok'
 """
@@ -231,20 +232,25 @@ def now() -> float:
 
 class Admitted(str):
     """An ``admit`` verdict: 'ok' or why not, compared as the plain string it is.  ``epoch``: the job's epoch as
-    this take left it (the ``fence`` its worker passes to ``finish`` and ``requeue``); 0 when nothing was taken."""
+    this take left it (the ``fence`` its worker passes to ``finish`` and ``requeue``); 0 when nothing was taken.
+    ``attempts`` and ``created_at``: the record's, as the take left them (None when nothing was taken)."""
 
     epoch: int
+    attempts: str | None
+    created_at: str | None
 
-    def __new__(cls, verdict: str, epoch: int = 0) -> Admitted:
+    def __new__(cls, verdict: str, epoch: int = 0, attempts: str | None = None,
+                created_at: str | None = None) -> Admitted:
         admitted = super().__new__(cls, verdict)
-        admitted.epoch = epoch
+        admitted.epoch, admitted.attempts, admitted.created_at = epoch, attempts, created_at
         return admitted
 
     @classmethod
     def of(cls, reply: str) -> Admitted:
-        """From _ADMIT's reply: 'ok:<epoch>' when it took the job, else the verdict alone."""
-        verdict, _, epoch = reply.partition(":")
-        return cls(verdict, int(epoch or 0))
+        """From _ADMIT's reply: 'ok:<epoch>:<attempts>:<created_at>' when it took the job, else the verdict
+        alone."""
+        verdict, epoch, attempts, created_at = (reply.split(":", 3) + ["", "", ""])[:4]
+        return cls(verdict, int(epoch or 0), attempts or None, created_at or None)
 
 
 def read_backlog(r: redis.Redis, names: Names, model: str, tenant: str | None = None) -> int:

@@ -73,11 +73,12 @@ from pagedq.config.names import (
     Names,
     broker_priority,
 )
+from pagedq.config.scheduling import DEFAULT_TENANT
 from pagedq.config.served import served_names
 from pagedq.fleet.placement import PlacementPolicy
 from pagedq.store import control
 from pagedq.store.connection import broker_url, redis_client, through_outage
-from pagedq.store.dispatch import FairDispatch, Skip
+from pagedq.store.dispatch import FairDispatch, SeatsHeld, Skip, SlotBusy
 from pagedq.store.jobs import JobStore
 from pagedq.store.model_names import register_served_names
 from pagedq.store.registry import gpu_workers_serving, register_model
@@ -107,7 +108,8 @@ def register_generate(app: Celery, fair: FairDispatch):
     def generate(self, payload):
         job = parse_generate(payload, self.request.id)
         fair.push(job)
-        send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events())
+        send_dispatch_token(self.app, job.model, job.priority, event_dispatcher=sent_events(),
+                            tenant=job.meta.tenant or DEFAULT_TENANT)
         return {"job_id": job.job_id, "queued": "fair queue"}
 
     return generate
@@ -122,9 +124,7 @@ def start(job: GenerateJob, request, service: EngineService, store: JobStore, na
         service.metrics.settled(verdict)
         store.settle(job.job_id, verdict)
         raise JobNotCompleted(f"job {job.job_id} {store.state(job.job_id)} before generating")
-    if service.metrics.enabled:  # the submit time, for latencies; attempts, for redeliveries
-        fields = store.r.hmget(names.job(job.job_id), "created_at", "attempts")
-        service.metrics.admitted(job.job_id, *fields)
+    service.metrics.admitted(job.job_id, verdict.created_at, verdict.attempts)  # latencies; redeliveries
     weights = service.engine.fingerprint  # read before the engine can step the job (see conclude)
     try:
         handle = service.submit(job, request.id)
@@ -277,10 +277,20 @@ class Dispatch:
     bound: BoundJobs = field(default_factory=BoundJobs)
 
 
+def sent_for_a_winner(token: DispatchToken, held: SeatsHeld) -> bool:
+    """Whether the job ``token`` was sent for might take a running job's seat on a full worker: its band is above
+    the lowest running, or another tenant holds a seat here (its tenant may be below its share).  A job that
+    could was pushed with a token of its own, so a token whose job could not skips a claim beyond the seats
+    that would find nothing.  A token naming no tenant (a spare, an older sender's) might."""
+    return token.tenant is None or token.priority > held.lowest_priority or set(held.held) != {token.tenant}
+
+
 def parse_token(payload, task_id: str) -> DispatchToken:
     try:
-        return DispatchToken(str(payload["model"]), str(payload["slot"]), int(payload["priority"]))
-    except (TypeError, KeyError, ValueError) as e:
+        tenant = payload.get("tenant")
+        return DispatchToken(str(payload["model"]), str(payload["slot"]), int(payload["priority"]),
+                             None if tenant is None else str(tenant))
+    except (AttributeError, TypeError, KeyError, ValueError) as e:
         log.error("dispatch task %s: dropped a malformed token: %r", task_id, e)
         raise Reject(f"malformed token: {e!r}", requeue=False) from None
 
@@ -288,21 +298,45 @@ def parse_token(payload, task_id: str) -> DispatchToken:
 def register_dispatch(app: Celery, service: EngineService, store: JobStore, names: Names, d: Dispatch):
     """The dispatch task: a token binds to the next job of the fair queue when this engine has room."""
     running: dict[str, str] = {}  # job id -> the slot it runs under on this worker
+    slots: dict[str, str] = {}  # slot -> the job a token of this worker runs under it
 
     @app.task(name=DISPATCH_TASK, bind=True, throws=(JobNotCompleted,))
     def dispatch(self, payload):
         token = parse_token(payload, self.request.id)
-        bound = d.fair.bound_job(token.slot)
-        if bound is not None and running.get(bound) == token.slot:  # redelivered while its job runs here
-            return wait_for_original(token.slot, bound)
-        if bound is not None:  # bound by a holder that is gone (its restore did not release it): back in line
-            d.fair.release(token.slot)
-        job, reserved = take_beyond(token, self.request.hostname), False
+        here = slots.get(token.slot)
+        if here is not None and running.get(here) == token.slot:  # redelivered while its job runs here
+            return wait_for_original(token.slot, here)
+        try:
+            got = next_job(self, token)
+        except SlotBusy:  # found by the claim itself: no read of the slot per token
+            here = slots.get(token.slot)
+            if here is not None:  # its original took the slot here meanwhile
+                return wait_for_original(token.slot, here)
+            d.fair.release(token.slot)  # bound by a holder that is gone (its restore did not release it)
+            got = next_job(self, token)
+        if isinstance(got, dict):
+            return got
+        job, reserved = got
+        d.bound.add(self.request.id, job.job_id)  # Flower learns it from the next progress report
+        running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
+        slots[token.slot] = job.job_id
+        try:
+            return run_bound(self, job, token.slot, reserved)
+        finally:
+            if running.get(job.job_id) == token.slot:
+                del running[job.job_id]
+            slots.pop(token.slot, None)
+            d.bound.discard(self.request.id)
+
+    def next_job(task, token: DispatchToken) -> tuple[GenerateJob, bool] | dict:
+        """(the job claimed for ``token``, whether it holds a reserved seat), or the task's result when it
+        claims none (nothing waiting, or handed on for lack of room)."""
+        job, reserved = take_beyond(token, task.request.hostname), False
         while job is None:
             if d.seats.reserve(d.room_wait_s):
                 reserved = True
                 try:
-                    job = claim(token, self.request.hostname)
+                    job = claim(token, task.request.hostname)
                 except BaseException:
                     d.seats.unreserve()
                     raise
@@ -314,7 +348,7 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                     job, reserved = None, False
                     continue
                 break
-            job = take_beyond(token, self.request.hostname)
+            job = take_beyond(token, task.request.hostname, timed_out=True)
             if job is None and (service.draining or d.peers.any_other()):
                 # Handed on, to the back of its queue, for a worker with room (or this one, later).  Sent
                 # before this one is acknowledged: a kill in between leaves two tokens for one job, and the
@@ -323,16 +357,10 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                 # stays and waits again: handing it on would only bring it back here, a message round trip
                 # for nothing.
                 # a fresh slot: never two on one
-                send_dispatch_token(self.app, token.model, token.priority, event_dispatcher=sent_events())
+                send_dispatch_token(task.app, token.model, token.priority, event_dispatcher=sent_events(),
+                                    tenant=token.tenant)
                 return {"slot": token.slot, "job_id": None, "handed_on": "no free seat"}
-        d.bound.add(self.request.id, job.job_id)  # Flower learns it from the next progress report
-        running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
-        try:
-            return run_bound(self, job, token.slot, reserved)
-        finally:
-            if running.get(job.job_id) == token.slot:
-                del running[job.job_id]
-            d.bound.discard(self.request.id)
+        return job, reserved
 
     def claim(token: DispatchToken, worker: str) -> GenerateJob | Skip | None:
         """The next job for a free seat: the first of the fleet order's first jobs this worker may take
@@ -350,12 +378,12 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
                     send_dispatch_token(app, model, token.priority, queue=names.worker_queue(model, got.nudge))
         return got
 
-    def take_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
+    def take_beyond(token: DispatchToken, worker: str, timed_out: bool = False) -> GenerateJob | None:
         """``claim_beyond``, one at a time: with a job it returns holding ``seats.beyond``, which ``run_bound``
         releases once the job is in the engine, so the next claim beyond the seats counts it."""
         d.seats.beyond.acquire()
         try:
-            job = claim_beyond(token, worker)
+            job = claim_beyond(token, worker, timed_out)
         except BaseException:
             d.seats.beyond.release()
             raise
@@ -363,14 +391,17 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             d.seats.beyond.release()
         return job
 
-    def claim_beyond(token: DispatchToken, worker: str) -> GenerateJob | None:
+    def claim_beyond(token: DispatchToken, worker: str, timed_out: bool) -> GenerateJob | None:
         """With every seat taken: a job that may take a running job's seat (higher band, or a tenant below its
-        share: the engine then preempts; ``fleet.policy.seat_share``), or None."""
+        share: the engine then preempts; ``fleet.policy.seat_share``), or None.
+
+        A fresh token whose own job could not win (``sent_for_a_winner``) skips the claim; one that timed out
+        waiting claims anyway (the safety net, a few times a second per worker)."""
         free = service.free_seats()
         if free - d.seats.reserved > 0 or free <= -swap_room(service.engine.engine.config.max_num_seqs):
             return None  # a seat is free (claim it the usual way), or enough jobs already wait for one
         held = service.seats_held()
-        if held is None:
+        if held is None or not (timed_out or sent_for_a_winner(token, held)):
             return None
         return d.fair.claim(service.engine.model_name, worker, token.slot, held)
 

@@ -459,3 +459,20 @@ def test_status_and_exporter_show_placement_decisions_and_the_fleet_hit_ratio(re
     for decision, n in decisions.items():
         assert samples[("pagedq_placement_decisions_total", (("decision", decision), ("model", MODEL)))] == n
     assert samples[("pagedq_fleet_prefix_hit_ratio", (("model", MODEL),))] == round(ratio, 4)
+
+
+def test_a_fresh_token_skips_a_claim_beyond_the_seats_only_when_its_own_job_could_not_win():
+    from pagedq.config.celery_app import DispatchToken
+    from pagedq.workers.gpu_worker import parse_token, sent_for_a_winner
+
+    seats, low = random.randint(2, 64), random.randint(0, 8)
+    alone = SeatsHeld(seats, {"a": seats}, low)
+    assert not sent_for_a_winner(DispatchToken(MODEL, "s", low, "a"), alone), "its tenant holds every seat"
+    assert sent_for_a_winner(DispatchToken(MODEL, "s", low + 1, "a"), alone), "a higher band than any running"
+    assert sent_for_a_winner(DispatchToken(MODEL, "s", low, "b"), alone), "another tenant: maybe below its share"
+    assert sent_for_a_winner(DispatchToken(MODEL, "s", low, None), alone), "a spare or an older sender's token"
+    shared = SeatsHeld(seats, {"a": seats - 1, "b": 1}, low)
+    assert sent_for_a_winner(DispatchToken(MODEL, "s", low, "a"), shared), "shares may have moved"
+    # The tenant travels in the token's body; an older sender's body has none.
+    assert parse_token({"model": MODEL, "slot": "s", "priority": low, "tenant": "a"}, "t").tenant == "a"
+    assert parse_token({"model": MODEL, "slot": "s", "priority": low}, "t").tenant is None

@@ -72,6 +72,8 @@ def test_a_take_by_another_worker_moves_the_epoch_on_and_the_holders_own_re_admi
     assert again == "ok" and again.epoch == 1
     taken = store.admit("j", worker="B")  # A's lease ran out: B runs it
     assert taken == "ok" and taken.epoch == 2 and store.get("j")["epoch"] == "2"
+    record = store.get("j")  # the take also tells the worker's metrics what they would read
+    assert (taken.attempts, taken.created_at) == (record["attempts"], record["created_at"]) and record["created_at"]
     assert store.admit("j", worker="A").epoch == 3, "A taking it back from B is another take"
 
 
