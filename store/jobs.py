@@ -47,9 +47,10 @@ log = logging.getLogger(__name__)
 # ``restored_from``): then this is a second copy, not a restart.  A holder is alive while its record
 # (names.worker) was refreshed within the last half of its TTL (``ttl_s``, written by its heartbeat): a dead
 # worker's record goes stale before its leases can run out.
-# Taking returns 'ok:<epoch>:<attempts>:<created_at>' (the last two for the worker's metrics).  The epoch goes up unless the taker is the holder and the job is still its own
-# (in_progress, or restored from it): that copy is a duplicate of the run the worker still has, which ends the
-# job under the epoch it holds.  A restarted worker has a new name, so it is another holder.
+# Taking returns 'ok:<epoch>:<attempts>:<created_at>' (the last two for the worker's metrics).  The epoch goes up
+# unless the taker is the holder and the job is still its own (in_progress, or restored from it): that copy is a
+# duplicate of the run the worker still has, which ends the job under the epoch it holds.  A restarted worker has
+# a new name, so it is another holder.
 _ADMIT = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st then return 'missing' end

@@ -297,20 +297,17 @@ def parse_token(payload, task_id: str) -> DispatchToken:
 
 def register_dispatch(app: Celery, service: EngineService, store: JobStore, names: Names, d: Dispatch):
     """The dispatch task: a token binds to the next job of the fair queue when this engine has room."""
-    running: dict[str, str] = {}  # job id -> the slot it runs under on this worker
     slots: dict[str, str] = {}  # slot -> the job a token of this worker runs under it
 
     @app.task(name=DISPATCH_TASK, bind=True, throws=(JobNotCompleted,))
     def dispatch(self, payload):
         token = parse_token(payload, self.request.id)
-        here = slots.get(token.slot)
-        if here is not None and running.get(here) == token.slot:  # redelivered while its job runs here
+        if (here := slots.get(token.slot)) is not None:  # redelivered while its job runs here
             return wait_for_original(token.slot, here)
         try:
             got = next_job(self, token)
         except SlotBusy:  # found by the claim itself: no read of the slot per token
-            here = slots.get(token.slot)
-            if here is not None:  # its original took the slot here meanwhile
+            if (here := slots.get(token.slot)) is not None:  # its original took the slot here meanwhile
                 return wait_for_original(token.slot, here)
             d.fair.release(token.slot)  # bound by a holder that is gone (its restore did not release it)
             got = next_job(self, token)
@@ -318,13 +315,10 @@ def register_dispatch(app: Celery, service: EngineService, store: JobStore, name
             return got
         job, reserved = got
         d.bound.add(self.request.id, job.job_id)  # Flower learns it from the next progress report
-        running.setdefault(job.job_id, token.slot)  # a duplicate's slot must not hide the original's
         slots[token.slot] = job.job_id
         try:
             return run_bound(self, job, token.slot, reserved)
         finally:
-            if running.get(job.job_id) == token.slot:
-                del running[job.job_id]
             slots.pop(token.slot, None)
             d.bound.discard(self.request.id)
 
