@@ -66,6 +66,12 @@ def hf_token_logprobs(model, ids: list[int]) -> list[float]:
     return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
 
 
+def hf_top_ids(model, ids: list[int], k: int) -> list[list[int]]:
+    """The k most likely next ids after each prefix ids[:i], i >= 1, by transformers' own forward pass."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0, :-1].float().topk(k, -1).indices.tolist()
+
+
 def write_tasks(folder) -> None:
     rng = random.Random()
     items = []
@@ -145,7 +151,9 @@ def test_echo_prompt_logprobs_and_batches_agree(base_url, settings, hf, client):
     assert len(lps["tokens"]) == len(ids) and echoed["finish_reason"] == "length"
     assert echoed["text"] == tok.decode(ids)
     assert max(abs(a - b) for a, b in zip(lps["token_logprobs"][1:], want, strict=True)) < TOL
-    assert all(len(top) == 2 for top in lps["top_logprobs"][1:])
+    # Keyed by text, as OpenAI's: two of a position's top ids that decode alike (byte fragments) share one key.
+    assert [len(top) for top in lps["top_logprobs"][1:]] == [len({tok.decode([t]) for t in pair})
+                                                              for pair in hf_top_ids(model, ids, 2)]
 
     scored = post(prompt_logprobs=0, max_tokens=2, temperature=0)  # vLLM's shape, and generation goes on
     positions = scored["prompt_logprobs"]
