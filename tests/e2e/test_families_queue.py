@@ -1,10 +1,10 @@
 """Families other than Llama through the whole queue: ``Client`` -> CPU worker -> GPU worker -> result, greedy
 tokens equal to transformers' own ``generate``.
 
-One module-scoped stack (real redis-server, one CPU worker, one GPU worker process per model) serving two
-small random models built here by transformers (``tests/family_models.py``): Gemma 3, whose
-sliding layers keep their own KV blocks beside the global ones, and Qwen3-MoE (experts); and a folder of an
-architecture pagedq does not serve, refused by the worker and by a request in one line.  Prompts are 16
+One module-scoped stack (real redis-server, one CPU worker, one GPU worker process per model) serving a small
+random model of each family, built here by transformers (``tests/family_models.py``): Qwen3, Qwen3-MoE and
+Mixtral (experts), Gemma 2 and Gemma 3 (sliding layers keep their own KV blocks beside the global ones) and Phi-3;
+and a folder of an architecture pagedq does not serve, refused by the worker and by a request in one line.  Prompts are 16
 random token-id lists of 10-300 tokens; the answers' per-token strings (``logprobs``) are compared with the
 strings of transformers' greedy tokens.  Prefixes ``fam:`` / ``fam.``.
 """
@@ -33,7 +33,7 @@ from pagedq.config.messages import RequestError
 from pagedq.pipeline.local.stack import Stack
 
 TIMEOUT = 300
-MODELS = ("gemma3", "qwen3-moe")
+MODELS = ("qwen3", "qwen3-moe", "mixtral", "gemma2", "gemma3", "phi3")
 
 
 @pytest.fixture(scope="module")
